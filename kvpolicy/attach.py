@@ -1,0 +1,233 @@
+"""The transformers integration: one attention function for every model, a session, its caches.
+
+`attach` registers the attention function ``"kvpolicy"`` with transformers'
+`AttentionInterface` (and a mask function with `AttentionMaskInterface`) and switches
+the model to it. No model forward is copied: any model whose attention goes through
+transformers' attention interface works.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface
+
+from .backend import torch_ref
+from .cache import PolicyCache, PolicyLayer, active_layer, build_groups
+from .errors import KVPolicyError
+from .plan import Plan
+from .policies.base import Policy
+from .registry import Registry, get_registry
+
+ATTENTION_NAME = "kvpolicy"
+_registered = False
+_warned_no_cache = False
+
+
+def _padding_mask(batch_size: int, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> Any:
+    """Mask function for ``"kvpolicy"``: pass the 2D padding mask through (None when nothing is padded).
+
+    Validity of cached columns comes from the cache; the 2D mask only tells which new
+    tokens are pads (its last ``q_length`` columns).
+    """
+    if attention_mask is None or attention_mask.ndim != 2:
+        return attention_mask
+    attention_mask = attention_mask.bool()
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def kvpolicy_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention for one layer: output [B, q, Hq, D]; statistics go to the cache's policies."""
+    if softcap is not None:
+        raise KVPolicyError("attention logit soft-capping (softcap) is not supported by kvpolicy's attention yet")
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = active_layer(getattr(module, "layer_idx", -1))
+    if layer is None:
+        return _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window)
+    queries = query.shape[2]
+    query_valid = attention_mask[:, -queries:] if isinstance(attention_mask, torch.Tensor) else None
+    if query_valid is not None and bool(query_valid.all()):
+        query_valid = None
+    query_positions = layer.begin_attention(query_valid)
+    start, _ = layer.pending
+    slots = layer.used
+
+    def mask_for(lo: int, hi: int, width: int) -> torch.Tensor:
+        return layer.key_mask(query_positions[:, lo:hi], width, sliding_window)
+
+    keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
+    if layer.needs:
+        out, stats = torch_ref.attend_tracking(
+            query, keys, values, mask_for, scaling, layer.needs, query_valid, start, layer.last_rows_window
+        )
+    else:
+        out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
+    layer.end_attention(stats)
+    return out, None
+
+
+def _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling) -> torch.Tensor:
+    """SDPA for layers whose policies need no statistics, with the cheapest mask that is exact."""
+    queries, slots = query.shape[2], keys.shape[2]
+    packed = query_valid is None and sliding_window is None and bool(layer.valid[:, :, :slots].all())
+    if packed and queries == 1:
+        return torch_ref.attend_sdpa(query, keys, values, None, scaling)  # a decode step sees every slot
+    if packed and slots == queries:  # a fresh, unpadded prompt
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
+        )
+        return out.transpose(1, 2)
+    mask = mask_for(0, queries, slots)
+    if bool((mask == mask[:, :1]).all()):
+        mask = mask[:, :1]  # every KV head keeps the same tokens: one mask broadcast over heads
+    return torch_ref.attend_sdpa(query, keys, values, mask, scaling)
+
+
+def _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window):
+    """The model ran without a PolicyCache (plain DynamicCache or no cache): plain causal attention."""
+    global _warned_no_cache
+    if not _warned_no_cache:
+        warnings.warn(
+            "kvpolicy attention ran without a kvpolicy cache, so nothing is evicted; "
+            "pass past_key_values=session.new_cache() (or use session.generate)",
+            stacklevel=3,
+        )
+        _warned_no_cache = True
+    queries, keys = query.shape[2], key.shape[2]
+    key_pos = torch.arange(keys, device=query.device)
+    query_pos = torch.arange(keys - queries, keys, device=query.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    mask = mask[None, None]
+    if isinstance(attention_mask, torch.Tensor):
+        mask = mask & attention_mask[:, None, None, -keys:]
+    return torch_ref.attend_sdpa(query, key, value, mask, scaling)
+
+
+def register() -> None:
+    """Register kvpolicy's attention and mask functions with transformers (idempotent)."""
+    global _registered
+    if not _registered:
+        AttentionInterface.register(ATTENTION_NAME, kvpolicy_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, _padding_mask)
+        _registered = True
+
+
+@dataclass
+class Session:
+    """A model with a recipe attached. ``new_cache()`` makes the cache to pass to ``generate``."""
+
+    model: PreTrainedModel
+    plan: Plan
+    registry: Registry
+    previous_attention: str
+    #: one plan per batch row (`attach_rows`), or empty: ``plan`` applies to every row
+    row_plans: list[Plan] = field(default_factory=list)
+    last_cache: PolicyCache | None = None
+    _policies: dict[tuple[str, str], Policy] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for layer in (layer for plan in [self.plan, *self.row_plans] for layer in plan.layers):
+            for head in layer.heads:
+                key = (head.policy, repr(head.params))
+                if key not in self._policies:
+                    self._policies[key] = self.registry.get(head.policy)(head.params)
+
+    def new_cache(self, prompt_tokens: int | None = None) -> PolicyCache:
+        """A fresh cache; ratio budgets resolve from the first forward's real tokens, or ``prompt_tokens``."""
+        plans = self.row_plans or [self.plan]
+        layers = []
+        for index in range(len(self.plan.layers)):
+            rows = [plan.layers[index] for plan in plans]
+            layers.append(PolicyLayer(index, rows, build_groups(rows, self._policies), prompt_tokens))
+        self.last_cache = PolicyCache(layers)
+        return self.last_cache
+
+    def generate(self, *args: Any, prompt_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
+        """``model.generate`` with a fresh kvpolicy cache (available afterwards as ``last_cache``)."""
+        kwargs["past_key_values"] = self.new_cache(prompt_tokens)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*past_key_values.*")
+            return self.model.generate(*args, **kwargs)
+
+    def detach(self) -> None:
+        """Give the model back its previous attention implementation."""
+        self.model.set_attn_implementation(self.previous_attention)
+
+
+def model_shape(model: PreTrainedModel) -> tuple[int, int]:
+    """(decoder layers, KV heads) of a transformers causal LM."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    if layers is None or heads is None:
+        raise KVPolicyError(f"cannot tell the number of layers and KV heads of {type(model).__name__}")
+    return layers, heads
+
+
+def attach(
+    model: PreTrainedModel, recipe: Any, *, backend: str | None = None, registry: Registry | None = None
+) -> Session:
+    """Attach a recipe (a Recipe, a Plan, a YAML path or a built-in recipe name) to ``model``."""
+    from .recipe import Recipe, load_recipe
+
+    registry = registry or get_registry()
+    num_layers, num_kv_heads = model_shape(model)
+    if isinstance(recipe, Plan):
+        plan = recipe
+    else:
+        if not isinstance(recipe, Recipe):
+            recipe = load_recipe(recipe if not isinstance(recipe, Path) else str(recipe), registry=registry)
+        plan = recipe.resolve(num_layers, num_kv_heads)
+    if len(plan.layers) != num_layers:
+        raise KVPolicyError(f"the plan has {len(plan.layers)} layers but the model has {num_layers}")
+    plan.backend = _select_backend(backend or os.environ.get("KVPOLICY_BACKEND") or plan.backend)
+    register()
+    previous = model.config._attn_implementation or "sdpa"
+    if previous == ATTENTION_NAME:
+        previous = "sdpa"
+    model.set_attn_implementation(ATTENTION_NAME)
+    return Session(model=model, plan=plan, registry=registry, previous_attention=previous)
+
+
+def attach_rows(model: PreTrainedModel, recipes: list[Any], *, registry: Registry | None = None) -> Session:
+    """Attach one recipe per batch row: row i of every batch follows ``recipes[i]``.
+
+    Lets a sweep run several recipes (or budgets) as rows of one forward pass.
+    """
+    if not recipes:
+        raise KVPolicyError("attach_rows needs at least one recipe")
+    sessions = [attach(model, recipe, registry=registry) for recipe in recipes]
+    first = sessions[0]
+    first.row_plans = [session.plan for session in sessions]
+    first.__post_init__()
+    return first
+
+
+def _select_backend(name: str) -> str:
+    if name in ("auto", "torch"):
+        return "torch"
+    if name == "triton":
+        raise KVPolicyError(
+            "the Triton backend is not available yet; use backend: torch (or auto) in the recipe, "
+            "or unset KVPOLICY_BACKEND"
+        )
+    raise KVPolicyError(f"unknown backend {name!r}; choose auto, torch or triton")

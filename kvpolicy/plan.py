@@ -1,0 +1,118 @@
+"""A resolved recipe: for every layer and KV head, which policy, with which params and budget."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How many tokens a (layer, KV head) keeps: ``tokens`` absolute, or ``ratio`` of the prompt.
+
+    ``slack`` tokens may accumulate over the budget before a compaction (amortized
+    eviction): fewer compactions, at the cost of up to ``slack`` extra tokens of memory.
+    """
+
+    tokens: int | None = None
+    ratio: float | None = None
+    slack: int = 0
+
+    def resolve(self, prompt_tokens: torch.Tensor) -> torch.Tensor:
+        """Budget per batch row ([B] int64) for rows whose prompts hold ``prompt_tokens`` real tokens."""
+        if self.tokens is not None:
+            return torch.full_like(prompt_tokens, self.tokens)
+        if self.ratio is not None:
+            return torch.clamp(torch.ceil(prompt_tokens.double() * self.ratio).long(), min=1)
+        return torch.full_like(prompt_tokens, torch.iinfo(torch.int64).max // 4)
+
+    def describe(self) -> str:
+        if self.tokens is not None:
+            text = f"{self.tokens} tokens"
+        elif self.ratio is not None:
+            text = f"{self.ratio:g} of prompt"
+        else:
+            text = "unbounded"
+        return text + (f" (+{self.slack} slack)" if self.slack else "")
+
+    def fixed_tokens(self) -> int | None:
+        return self.tokens if self.tokens is not None else None
+
+
+UNBOUNDED = Budget()
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """One KV head of one layer: its policy (registry name), params (a Params instance) and budget."""
+
+    policy: str
+    params: Any
+    budget: Budget
+
+    def describe(self) -> str:
+        return f"{self.policy}({_params_text(self.params)}) budget={self.budget.describe()}"
+
+
+@dataclass
+class LayerPlan:
+    heads: list[HeadPlan]
+
+    def groups(self) -> list[tuple[HeadPlan, list[int]]]:
+        """Heads grouped by identical (policy, params): one policy instance serves each group."""
+        groups: dict[tuple[str, str], tuple[HeadPlan, list[int]]] = {}
+        for index, head in enumerate(self.heads):
+            key = (head.policy, repr(head.params))
+            groups.setdefault(key, (head, []))[1].append(index)
+        return list(groups.values())
+
+
+@dataclass
+class Plan:
+    """What `attach` applies: one LayerPlan per decoder layer, plus recipe-level options."""
+
+    name: str
+    layers: list[LayerPlan]
+    backend: str = "auto"
+    source: str = "<built>"
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line per run of identical layers, one entry per run of identical heads."""
+        lines = [f"recipe {self.name} ({self.source}); backend={self.backend}"]
+        rows = [_layer_text(layer) for layer in self.layers]
+        start = 0
+        for index in range(1, len(rows) + 1):
+            if index == len(rows) or rows[index] != rows[start]:
+                span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
+                lines.append(f"  layers {span}: {rows[start]}")
+                start = index
+        return "\n".join(lines)
+
+
+def _params_text(params: Any) -> str:
+    fields = getattr(params, "__dataclass_fields__", {})
+    return ", ".join(f"{name}={getattr(params, name)!r}" for name in fields)
+
+
+def _layer_text(layer: LayerPlan) -> str:
+    texts = [head.describe() for head in layer.heads]
+    parts, start = [], 0
+    for index in range(1, len(texts) + 1):
+        if index == len(texts) or texts[index] != texts[start]:
+            span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
+            parts.append(f"heads {span}: {texts[start]}")
+            start = index
+    return "; ".join(parts)
+
+
+def budget_is_bounded(budget: Budget) -> bool:
+    return budget.tokens is not None or budget.ratio is not None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

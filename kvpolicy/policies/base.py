@@ -1,0 +1,104 @@
+"""The policy contract: a policy scores cached tokens, the cache decides how many to keep.
+
+A policy never touches K/V storage. It declares the attention statistics it reads
+(`needs`), the per-token state it keeps (`state`, stored by the cache as
+``[batch, kv_heads, slots]`` tensors that move with K/V on compaction), updates that
+state in `observe`, and returns keep-priorities in `score`: higher is kept, ``+inf``
+pins a token, ``-inf`` drops it whatever the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+#: The statistics the shared attention backend can return (DESIGN.md, "Attention statistics").
+STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows"})
+
+
+@dataclass
+class AttentionStats:
+    """Statistics of one attention call, reduced over the query heads of each KV head.
+
+    All are fp32 probabilities over the layer's storage slots (``T`` = slots in use);
+    slots that are empty or masked get 0. ``queries`` counts the real (non-pad) queries
+    of the call per batch row.
+    """
+
+    queries: torch.Tensor  # [B] int64
+    colsum: torch.Tensor | None = None  # [B, Hkv, T]
+    colsum_sq: torch.Tensor | None = None  # [B, Hkv, T]
+    below_uniform: torch.Tensor | None = None  # [B, Hkv, T]
+    last_rows: torch.Tensor | None = None  # [B, Hkv, W, T]
+
+
+@dataclass
+class TokenView:
+    """What a policy may know about the cached tokens when it scores them.
+
+    ``positions`` is each slot's index among the real tokens of its batch row (pads
+    excluded, so the first real token is 0); empty slots hold -1 and ``valid`` False.
+    ``seen`` is the number of real tokens each row has seen so far; ``budget`` is the
+    number of tokens each (row, KV head) may keep.
+    """
+
+    positions: torch.Tensor  # [B, Hkv, T] int64
+    valid: torch.Tensor  # [B, Hkv, T] bool
+    seen: torch.Tensor  # [B] int64
+    budget: torch.Tensor  # [B, Hkv] int64
+    token_ids: torch.Tensor | None = None  # [B, Hkv, T] int64, when a policy asked for them
+
+    def recent_mask(self, count: torch.Tensor) -> torch.Tensor:
+        """Slots holding one of the ``count`` (per row/head, [B, Hkv]) most recent real tokens."""
+        age = self.seen[:, None, None] - self.positions  # 1 for the newest token
+        return self.valid & (age <= count[..., None])
+
+
+@dataclass(frozen=True)
+class NoParams:
+    """For policies that take no parameters."""
+
+
+class Policy:
+    """Base class of every eviction policy (built-in or plugin).
+
+    Subclasses set ``name``, ``Params`` (a dataclass whose field names are the YAML
+    ``params`` keys), ``needs`` and ``state``, and implement ``score`` (and
+    ``observe`` when they keep state).
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    Params: ClassVar[type] = NoParams
+    #: Attention statistics read by ``observe``; empty means plain SDPA, no tracking cost.
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: Per-token state: name -> dtype; new tokens start at 0.
+    state: ClassVar[dict[str, torch.dtype]] = {}
+    #: False for policies that never evict (``full``): budgets do not apply to them.
+    bounded: ClassVar[bool] = True
+    #: Rows W of ``last_rows`` the policy needs (only read when "last_rows" in needs).
+    last_rows_window: int = 0
+
+    def __init__(self, params: Any = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    @classmethod
+    def param_fields(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls.Params)}
+
+    def observe(self, state: dict[str, torch.Tensor], stats: AttentionStats) -> None:
+        """Update per-token state after an attention call (prefill chunk or decode step)."""
+
+    def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+        """Keep-priority per slot, ``[B, Hkv, T]``; higher is kept."""
+        raise NotImplementedError
+
+
+def check_params(policy_cls: type[Policy], params: Any) -> None:
+    """Run the Params dataclass's own ``validate`` if it has one (raises ValueError)."""
+    validate = getattr(params, "validate", None)
+    if callable(validate):
+        validate()

@@ -1,0 +1,14 @@
+"""Built-in policies, registered through the same hook third-party plugins use."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from .full import Full
+from .h2o import H2O
+from .streaming import Streaming
+from .window import Window
+
+
+@hookimpl
+def kvpolicy_register_policies() -> list[type]:
+    return [Full, Window, Streaming, H2O]

@@ -1,0 +1,335 @@
+"""Recipes: YAML -> validated `Recipe` -> `Plan` for a given model shape (DESIGN.md, "Recipes (YAML)").
+
+Every error names the file, line and key path, the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import KVPolicyError, RecipeError, did_you_mean
+from .plan import UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
+from .registry import Registry, get_registry
+
+SCHEMA_VERSION = 1
+BACKENDS = ("auto", "torch", "triton")
+TOP_KEYS = ("kvpolicy", "name", "description", "budget", "policy", "params", "backend", "layers", "heads")
+RULE_KEYS = {"layers": ("layers", "policy", "params", "budget"), "heads": ("layers", "heads", "policy", "params", "budget")}
+BUDGET_KEYS = ("ratio", "tokens", "slack")
+_DIRS = (Path(__file__).parent / "recipes_builtin", Path(__file__).parent.parent / "recipes")
+
+
+class _Map(dict):
+    """A YAML mapping that remembers its own line and the line of each key (1-based)."""
+
+    line: int | None = None
+    lines: dict[Any, int]
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
+    data = _Map(loader.construct_mapping(node, deep=True))  # also flattens merge keys ("<<")
+    data.line = node.start_mark.line + 1
+    data.lines = {loader.construct_object(k): k.start_mark.line + 1 for k, _ in node.value}
+    return data
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
+
+
+def _line(mapping: Any, key: Any = None) -> int | None:
+    lines = getattr(mapping, "lines", {})
+    return lines[key] if key in lines else getattr(mapping, "line", None)
+
+
+def _error(file: str, line: int | None, path: str, problem: str, fix: str = "") -> RecipeError:
+    where = f"{file}:{line}" if line else file
+    return RecipeError(f"{where}: {path}: {problem}." + (f" {fix}" if fix else ""))
+
+
+def _check_keys(mapping: Any, known: tuple[str, ...], path: str, file: str, line: int | None = None) -> None:
+    if not isinstance(mapping, dict):
+        raise _error(file, line, path.rstrip(".") or "recipe", f"expected a mapping, got {mapping!r}")
+    for key in mapping:
+        if key not in known:
+            raise _error(file, _line(mapping, key), f"{path}{key}", f"unknown key{did_you_mean(str(key), known)}",
+                         f"Known keys: {', '.join(sorted(known))}")
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(tp))
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is type(None):
+        return value is None
+    origin = typing.get_origin(tp) or tp
+    if origin is tuple:
+        return isinstance(value, (list, tuple))
+    return isinstance(value, origin) if isinstance(origin, type) else True
+
+
+def _build_params(cls: Any, raw: Any, base: Any, path: str, file: str, line: int | None) -> Any:
+    """A ``cls.Params`` instance: ``raw`` (a YAML mapping) over ``base`` (or the defaults), validated."""
+    known = tuple(cls.param_fields())
+    if not isinstance(raw, dict):
+        raise _error(file, line, path, f"expected a mapping of parameters, got {raw!r}")
+    what = f'parameter of policy "{cls.name}"'
+    for key in raw:
+        if key not in known:
+            fix = f"Known parameters: {', '.join(sorted(known))}" if known else f'Policy "{cls.name}" takes no parameters'
+            raise _error(file, _line(raw, key), f"{path}.{key}", f"unknown {what}{did_you_mean(str(key), known)}", fix)
+    try:
+        hints = typing.get_type_hints(cls.Params)
+    except Exception:  # unresolvable annotations in a plugin: skip type checks
+        hints = {}
+    values = {}
+    for key, value in raw.items():
+        tp = hints.get(key, Any)
+        if not _type_ok(value, tp):
+            fix = "Write it as a number with a dot, e.g. 1.0e-3" if tp is float and isinstance(value, str) else ""
+            raise _error(file, _line(raw, key), f"{path}.{key}",
+                         f"expected {getattr(tp, '__name__', str(tp))}, got {type(value).__name__} {value!r}", fix)
+        values[key] = float(value) if tp is float else tuple(value) if isinstance(value, list) else value
+    try:
+        params = dataclasses.replace(base, **values) if base is not None else cls.Params(**values)
+        validate = getattr(params, "validate", None)
+        if callable(validate):
+            validate()
+    except (ValueError, TypeError) as exc:
+        raise _error(file, line, path, f'invalid parameters for policy "{cls.name}": {exc}') from None
+    return params
+
+
+def _budget(raw: Any, path: str, file: str, line: int | None) -> tuple[Budget, bool]:
+    """(Budget, whether slack was given)."""
+    _check_keys(raw, BUDGET_KEYS, f"{path}.", file, line)
+    given = [k for k in ("ratio", "tokens") if k in raw]
+    if len(given) != 1:
+        problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
+        raise _error(file, _line(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
+    ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", 0)
+    if ratio is not None and not (_type_ok(ratio, float) and 0 < ratio <= 1):
+        raise _error(file, _line(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {ratio!r}",
+                     "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
+    if tokens is not None and not (_type_ok(tokens, int) and tokens >= 1):
+        raise _error(file, _line(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {tokens!r}")
+    if not (_type_ok(slack, int) and slack >= 0):
+        raise _error(file, _line(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw
+
+
+@dataclass(frozen=True)
+class _Selector:
+    text: str
+    spans: tuple[tuple[int, int], ...]  # (first, last); negative counts from the end
+
+    def indices(self, count: int, noun: str, file: str, line: int | None, path: str) -> list[int]:
+        out: list[int] = []
+        for lo, hi in self.spans:
+            a, b = (lo + count if lo < 0 else lo), (hi + count if hi < 0 else hi)
+            if not (0 <= a < count and 0 <= b < count):
+                raise _error(file, line, path, f"selector {self.text} is out of range: the model has {count} {noun}s "
+                             f"({noun}s 0-{count - 1})", 'Use indices in that range ("-1" is the last one)')
+            out.extend(range(a, b + 1))
+        return out
+
+
+def _selector(value: Any, path: str, file: str, line: int | None) -> _Selector:
+    items = value if isinstance(value, list) else [value]
+    spans: list[tuple[int, int]] = []
+    for item in items:
+        parts = item.split(",") if isinstance(item, str) else [item]
+        for part in parts:
+            if isinstance(part, int) and not isinstance(part, bool):
+                spans.append((part, part))
+                continue
+            text = part.strip() if isinstance(part, str) else None
+            m = re.fullmatch(r"(\d+)\s*-\s*(\d*)", text or "")
+            if text in ("all", "*"):
+                spans.append((0, -1))
+            elif text and re.fullmatch(r"-?\d+", text):
+                spans.append((int(text), int(text)))
+            elif m and (not m[2] or int(m[1]) <= int(m[2])):
+                spans.append((int(m[1]), int(m[2]) if m[2] else -1))
+            else:
+                raise _error(file, line, path, f"cannot read selector {part!r}",
+                             'Use an index (3, "-1"), a range ("0-1", "2-"), a list ("0,2,5-7" or [0, 2]) or "all"')
+    if not spans:
+        raise _error(file, line, path, "empty selector", 'Use an index, a range, a list or "all"')
+    return _Selector(repr(value), tuple(spans))
+
+
+@dataclass(frozen=True)
+class _Rule:
+    path: str
+    line: int | None
+    layers: _Selector
+    heads: _Selector | None
+    policy: Any  # policy class, or None to keep the current one
+    params: Any  # raw params mapping or None
+    fresh: Any  # params for a cell switching to `policy`
+    budget: tuple[Budget, bool] | None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe; `resolve` turns it into a `Plan` for a model's shape."""
+
+    name: str
+    description: str
+    source: str
+    budget: Budget
+    backend: str = "auto"
+    _file: str = field(default="<dict>", repr=False)
+    _default: tuple[Any, Any, int | None] = field(default=None, repr=False)  # (policy class, params, line)
+    _rules: tuple[_Rule, ...] = field(default=(), repr=False)
+
+    def resolve(self, num_layers: int, num_kv_heads: int) -> Plan:
+        cls, params, line = self._default
+        grid = [[(cls, params, None, line)] * num_kv_heads for _ in range(num_layers)]
+        for rule in self._rules:  # layer rules come first, so head rules win over them
+            for layer in rule.layers.indices(num_layers, "layer", self._file, rule.line, f"{rule.path}.layers"):
+                heads = range(num_kv_heads) if rule.heads is None else rule.heads.indices(
+                    num_kv_heads, "KV head", self._file, rule.line, f"{rule.path}.heads")
+                for head in heads:
+                    grid[layer][head] = self._apply(rule, grid[layer][head])
+        return Plan(name=self.name, layers=[LayerPlan([self._head(c) for c in row]) for row in grid],
+                    backend=self.backend, source=self.source, description=self.description)
+
+    def _apply(self, rule: _Rule, cell: tuple) -> tuple:
+        cls, params, budget, _ = cell
+        if rule.policy is not None and rule.policy is not cls:
+            cls, params = rule.policy, rule.fresh
+        elif rule.params is not None:
+            params = _build_params(cls, rule.params, params, f"{rule.path}.params", self._file, _line(rule.params))
+        if rule.budget is not None:
+            budget, slack_given = rule.budget
+            budget = budget if slack_given else dataclasses.replace(budget, slack=self.budget.slack)
+        return cls, params, budget, rule.line
+
+    def _head(self, cell: tuple) -> HeadPlan:
+        cls, params, budget, line = cell
+        budget = budget or self.budget
+        if not cls.bounded:
+            budget = UNBOUNDED
+        elif budget.tokens is None and budget.ratio is None:
+            raise _error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',
+                         "Add e.g. budget: {ratio: 0.2} at the top level or to this rule")
+        return HeadPlan(cls.name, params, budget)
+
+
+def builtin_recipe_names() -> list[str]:
+    return sorted({p.stem for d in _DIRS if d.is_dir() for p in (*d.glob("*.yaml"), *d.glob("*.yml"))})
+
+
+def _find(source: str | os.PathLike) -> tuple[Path, str]:
+    """(file, source label) for a path or a built-in recipe name."""
+    text = os.fspath(source)
+    path = Path(text)
+    looks_like_path = path.suffix in (".yaml", ".yml") or os.sep in text or "/" in text
+    if not looks_like_path:
+        for folder in _DIRS:
+            for suffix in (".yaml", ".yml"):
+                if (folder / f"{text}{suffix}").is_file():
+                    return folder / f"{text}{suffix}", f"<builtin:{text}>"
+    if path.is_file():
+        return path, text
+    names = builtin_recipe_names()
+    hint = "" if looks_like_path else did_you_mean(text, names)
+    raise RecipeError(f"{text}: no such recipe file, and not a built-in recipe{hint}. "
+                      f"Built-in recipes: {', '.join(names)}")
+
+
+def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = None) -> Recipe:
+    """Load and validate a recipe from a YAML file, a built-in recipe name or an already-parsed dict."""
+    registry = registry or get_registry()
+    if isinstance(source, dict):
+        data, file, label, stem = source, "<dict>", "<dict>", "recipe"
+    else:
+        path, label = _find(source)
+        file, stem = str(path), path.stem
+        try:
+            data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            problem = " ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+            raise _error(file, mark.line + 1 if mark else None, "YAML", f"invalid YAML: {problem or exc}",
+                         "Check the indentation, colons and quotes around this line") from None
+        except OSError as exc:
+            raise RecipeError(f"{file}: cannot read recipe: {exc}") from None
+    if not isinstance(data, dict):
+        raise _error(file, _line(data), "recipe", f"the top level must be a mapping, got {type(data).__name__}",
+                     f"Start the file with `kvpolicy: {SCHEMA_VERSION}` and the recipe's keys")
+    _check_keys(data, TOP_KEYS, "", file)
+    if data.get("kvpolicy") != SCHEMA_VERSION:
+        problem = "missing schema version" if "kvpolicy" not in data else f"unsupported schema version {data['kvpolicy']!r}"
+        raise _error(file, _line(data, "kvpolicy"), "kvpolicy", problem,
+                     f"This kvpolicy reads schema version {SCHEMA_VERSION}: write `kvpolicy: {SCHEMA_VERSION}`")
+    for key in ("name", "description"):
+        if key in data and not isinstance(data[key], str):
+            raise _error(file, _line(data, key), key, f"expected a string, got {data[key]!r}")
+    backend = data.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise _error(file, _line(data, "backend"), "backend", f"unknown backend {backend!r}"
+                     f"{did_you_mean(str(backend), BACKENDS)}", f"Use one of: {', '.join(BACKENDS)}")
+
+    def policy(raw: Any, path: str, line: int | None) -> Any:
+        if not isinstance(raw, str):
+            raise _error(file, line, path, f"expected a policy name, got {raw!r}", f"Available: {', '.join(registry.names())}")
+        try:
+            return registry.get(raw)
+        except KVPolicyError as exc:
+            raise RecipeError(f"{file}:{line}: {path}: {exc}" if line else f"{file}: {path}: {exc}") from None
+
+    cls = policy(data.get("policy", "full"), "policy", _line(data, "policy"))
+    params = _build_params(cls, data.get("params") or {}, None, "params", file, _line(data, "params"))
+    budget = _budget(data["budget"], "budget", file, _line(data, "budget"))[0] if "budget" in data else UNBOUNDED
+    rules = []
+    for kind in ("layers", "heads"):
+        raw_rules = data.get(kind) or []
+        if not isinstance(raw_rules, list):
+            raise _error(file, _line(data, kind), kind, f"expected a list of rules, got {raw_rules!r}",
+                         f'E.g. {kind}: [{{layers: "0-1", policy: full}}]')
+        for index, raw in enumerate(raw_rules):
+            path = f"{kind}[{index}]"
+            _check_keys(raw, RULE_KEYS[kind], f"{path}.", file, _line(data, kind))
+            line = _line(raw)
+            need = "heads" if kind == "heads" else "layers"
+            if need not in raw:
+                raise _error(file, line, path, f"a {kind[:-1]} rule needs `{need}`", f'E.g. {need}: "0-1"')
+            rule_cls = policy(raw["policy"], f"{path}.policy", _line(raw, "policy")) if "policy" in raw else None
+            fresh = rule_cls and _build_params(rule_cls, raw.get("params") or {}, None, f"{path}.params", file,
+                                               _line(raw, "params"))
+            rules.append(_Rule(
+                path, line,
+                _selector(raw.get("layers", "all"), f"{path}.layers", file, _line(raw, "layers")),
+                _selector(raw["heads"], f"{path}.heads", file, _line(raw, "heads")) if kind == "heads" else None,
+                rule_cls, raw.get("params"), fresh,
+                _budget(raw["budget"], f"{path}.budget", file, _line(raw, "budget")) if "budget" in raw else None))
+    return Recipe(name=data.get("name", stem), description=data.get("description", ""), source=label,
+                  budget=budget, backend=backend, _file=file, _default=(cls, params, _line(data, "policy")),
+                  _rules=tuple(rules))
+
+
+def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
+    """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs)."""
+    if not isinstance(budget, Budget):
+        raise TypeError(f"expected a kvpolicy.plan.Budget, got {budget!r}")
+    return dataclasses.replace(recipe, budget=budget)

@@ -1,0 +1,91 @@
+"""Policy registry: built-in policies and third-party plugins through one pluggy hook."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+
+import pluggy
+
+from . import hookspecs
+from .errors import KVPolicyError, did_you_mean
+from .policies.base import STAT_NAMES, Policy
+
+
+@dataclass(frozen=True)
+class PolicyEntry:
+    policy: type[Policy]
+    source: str  # "built-in" or "plugin <dist> <version>"
+
+
+class Registry:
+    """Every policy kvpolicy can use, and every plugin that failed to load (with the reason)."""
+
+    def __init__(self, load_entry_points: bool = True) -> None:
+        self.manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self.manager.add_hookspecs(hookspecs)
+        self.policies: dict[str, PolicyEntry] = {}
+        self.broken: dict[str, str] = {}  # plugin name -> reason
+        from .policies import builtin
+
+        self._add_plugin(builtin, "built-in", "built-in")
+        if load_entry_points:
+            self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            dist = ep.dist
+            source = f"plugin {dist.name} {dist.version}" if dist else f"plugin {ep.name}"
+            try:
+                module = ep.load()
+            except Exception as exc:  # a broken plugin must never take kvpolicy down
+                self.broken[ep.name] = f"import failed: {type(exc).__name__}: {exc}"
+                continue
+            self._add_plugin(module, ep.name, source)
+
+    def _add_plugin(self, module: object, name: str, source: str) -> None:
+        try:
+            self.manager.register(module, name=name)
+            impls = [i for i in self.manager.hook.kvpolicy_register_policies.get_hookimpls() if i.plugin is module]
+            for impl in impls:
+                for policy in impl.function() or []:
+                    self._add_policy(policy, source)
+        except Exception as exc:
+            self.broken[name] = f"registration failed: {type(exc).__name__}: {exc}"
+            if self.manager.is_registered(module):
+                self.manager.unregister(module)
+
+    def _add_policy(self, policy: type[Policy], source: str) -> None:
+        if not (isinstance(policy, type) and issubclass(policy, Policy)):
+            raise TypeError(f"{policy!r} is not a kvpolicy.Policy subclass")
+        if not policy.name:
+            raise TypeError(f"{policy.__name__} has no `name`")
+        unknown = set(policy.needs) - STAT_NAMES
+        if unknown:
+            raise TypeError(f"{policy.name} needs unknown statistics {sorted(unknown)}; known: {sorted(STAT_NAMES)}")
+        if policy.name in self.policies:
+            raise TypeError(f"policy {policy.name!r} is already registered by {self.policies[policy.name].source}")
+        self.policies[policy.name] = PolicyEntry(policy, source)
+
+    def get(self, name: str) -> type[Policy]:
+        if name in self.policies:
+            return self.policies[name].policy
+        hint = did_you_mean(name, self.policies)
+        broken = f" Plugins that failed to load: {self.broken}." if self.broken else ""
+        raise KVPolicyError(
+            f"unknown policy {name!r}{hint}. Available: {', '.join(sorted(self.policies))}.{broken}"
+        )
+
+    def names(self) -> list[str]:
+        return sorted(self.policies)
+
+
+_default: Registry | None = None
+
+
+def get_registry() -> Registry:
+    """The process-wide registry (built lazily, once)."""
+    global _default
+    if _default is None:
+        _default = Registry()
+    return _default

@@ -1,0 +1,48 @@
+"""Shared test helpers: plans built in code, and generation that records each step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from kvpolicy.attach import model_shape
+from kvpolicy.plan import UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
+from kvpolicy.registry import get_registry
+
+
+def uniform_plan(model, policy: str, budget: Budget | None = None, **params) -> Plan:
+    layers, heads = model_shape(model)
+    cls = get_registry().get(policy)
+    head = HeadPlan(policy, cls.Params(**params), budget if cls.bounded and budget else UNBOUNDED)
+    return Plan(f"{policy}-test", [LayerPlan([head] * heads) for _ in range(layers)])
+
+
+class StepRecorder(LogitsProcessor):
+    """Calls ``snapshot()`` after every forward pass of `generate` and keeps what it returns."""
+
+    def __init__(self, snapshot: Callable[[], object]):
+        self.snapshot = snapshot
+        self.steps: list[object] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(self.snapshot())
+        return scores
+
+
+def greedy(model, ids, mask, steps: int, recorder: StepRecorder | None = None, **kwargs):
+    """Greedy generation of exactly ``steps`` tokens, with per-step logits."""
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=LogitsProcessorList([recorder] if recorder else []),
+        **kwargs,
+    )
+    return out.sequences, torch.stack(out.logits, dim=1)

@@ -1,0 +1,106 @@
+"""The cache really holds the budget: per layer, per (row, KV head), after prefill and every decode step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import StepRecorder, greedy, uniform_plan
+from tiny_models import padded_batch, tiny_model
+
+from kvpolicy.attach import attach
+from kvpolicy.errors import KVPolicyError
+from kvpolicy.plan import Budget
+
+LENGTHS = (17, 11, 6)
+
+
+def per_head_counts(cache) -> list[torch.Tensor]:
+    return [layer.valid.sum(dim=2).clone() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("policy,params", [("h2o", {}), ("window", {}), ("streaming", {"sinks": 2})])
+@pytest.mark.parametrize("budget", [Budget(tokens=5), Budget(ratio=0.5)])
+def test_budget_held_after_prefill_and_every_step(policy, params, budget):
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=LENGTHS)
+    session = attach(model, uniform_plan(model, policy, budget, **params))
+    recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
+    greedy(model, ids, mask, 12, recorder=recorder, past_key_values=session.new_cache())
+    session.detach()
+    expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
+    for step, counts in enumerate(recorder.steps):
+        for layer_counts in counts:
+            assert torch.equal(layer_counts, expected[:, None].expand_as(layer_counts)), f"step {step}"
+
+
+def test_memory_report_is_the_real_storage():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=LENGTHS)
+    session = attach(model, uniform_plan(model, "h2o", Budget(tokens=6)))
+    greedy(model, ids, mask, 5, past_key_values=session.new_cache())
+    session.detach()
+    report = session.last_cache.memory_report()
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * head_dim * 4  # K and V, fp32
+    rows, heads, layers = len(LENGTHS), config.num_key_value_heads, config.num_hidden_layers
+    assert report.live_kv_bytes == 6 * rows * heads * layers * per_token
+    real = sum(t.numel() * t.element_size() for layer in session.last_cache.layers for t in (layer.keys, layer.values))
+    assert report.allocated_kv_bytes == real
+    # storage shrank to the budget after the prompt: the budget, one slot for the next token, one scratch slot
+    assert report.allocated_kv_bytes == (6 + 2) * rows * heads * layers * per_token
+    assert "total" in str(report)
+
+
+def test_pads_are_never_kept_and_positions_count_real_tokens():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=LENGTHS)
+    session = attach(model, uniform_plan(model, "full"))
+    model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache())
+    session.detach()
+    kept = session.last_cache.kept_positions(0)
+    for row, length in enumerate(LENGTHS):
+        assert kept[row] == [list(range(length))] * model.config.num_key_value_heads
+
+
+def test_streaming_keeps_sinks_and_recent():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17,))
+    session = attach(model, uniform_plan(model, "streaming", Budget(tokens=6), sinks=2))
+    greedy(model, ids, mask, 3, past_key_values=session.new_cache())
+    session.detach()
+    # 17 prompt tokens + 2 fed back (the last generated token is never fed)
+    assert session.last_cache.kept_positions(1)[0][0] == [0, 1, 15, 16, 17, 18]
+
+
+def test_window_keeps_the_most_recent():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17,))
+    session = attach(model, uniform_plan(model, "window", Budget(tokens=4)))
+    model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache())
+    session.detach()
+    assert session.last_cache.kept_positions(2)[0][1] == [13, 14, 15, 16]
+
+
+def test_ratio_budget_needs_a_prompt_length_when_fed_token_by_token():
+    model = tiny_model("llama")
+    session = attach(model, uniform_plan(model, "h2o", Budget(ratio=0.2)))
+    with pytest.raises(KVPolicyError, match="prompt_tokens"):
+        model(input_ids=torch.tensor([[5]]), past_key_values=session.new_cache())
+    cache = session.new_cache(prompt_tokens=20)
+    for token in range(1, 12):
+        model(input_ids=torch.tensor([[token]]), past_key_values=cache)
+    session.detach()
+    assert cache.layers[0].memory()["tokens_max"] == 4
+
+
+def test_slack_amortizes_compaction():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17,))
+    session = attach(model, uniform_plan(model, "h2o", Budget(tokens=5, slack=3)))
+    recorder = StepRecorder(lambda: session.last_cache.layers[0].memory()["tokens_max"])
+    greedy(model, ids, mask, 9, recorder=recorder, past_key_values=session.new_cache())
+    session.detach()
+    assert recorder.steps == [5, 6, 7, 8, 5, 6, 7, 8, 5]

@@ -1,0 +1,33 @@
+"""With a budget at least as large as the sequence, kvpolicy equals plain transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import greedy, uniform_plan
+from tiny_models import ARCHS, padded_batch, tiny_model
+
+from kvpolicy.attach import attach
+from kvpolicy.plan import Budget
+
+STEPS = 20
+POLICIES = [("full", {}), ("h2o", {}), ("window", {}), ("streaming", {"sinks": 4})]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_large_budget_equals_transformers(arch):
+    model = tiny_model(arch)
+    ids, mask = padded_batch()
+    ref_tokens, ref_logits = greedy(model, ids, mask, STEPS)
+    ref_prefill = model(input_ids=ids, attention_mask=mask).logits
+    for policy, params in POLICIES:
+        session = attach(model, uniform_plan(model, policy, Budget(tokens=1000), **params))
+        try:
+            tokens, logits = greedy(session.model, ids, mask, STEPS, past_key_values=session.new_cache())
+            prefill = model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache()).logits
+        finally:
+            session.detach()
+        assert torch.equal(tokens, ref_tokens), policy
+        torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4, msg=policy)
+        real = mask.bool()
+        torch.testing.assert_close(prefill[real], ref_prefill[real], atol=2e-4, rtol=1e-4, msg=policy)
