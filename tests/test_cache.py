@@ -104,3 +104,28 @@ def test_slack_amortizes_compaction():
     greedy(model, ids, mask, 9, recorder=recorder, past_key_values=session.new_cache())
     session.detach()
     assert recorder.steps == [5, 6, 7, 8, 5, 6, 7, 8, 5]
+
+
+def test_rows_with_different_recipes_match_each_recipe_alone():
+    from kvpolicy.attach import attach_rows
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(14,))
+    plans = [
+        uniform_plan(model, "full"),
+        uniform_plan(model, "h2o", Budget(tokens=5)),
+        uniform_plan(model, "streaming", Budget(ratio=0.5), sinks=2),
+        uniform_plan(model, "window", Budget(tokens=4)),
+    ]
+    alone = []
+    for plan in plans:
+        session = attach(model, plan)
+        alone.append(greedy(model, ids, mask, 8, past_key_values=session.new_cache())[1])
+        session.detach()
+    session = attach_rows(model, plans)
+    batch = len(plans)
+    _, logits = greedy(model, ids.expand(batch, -1), mask.expand(batch, -1), 8, past_key_values=session.new_cache())
+    session.detach()
+    for row, expected in enumerate(alone):
+        torch.testing.assert_close(logits[row : row + 1], expected, atol=1e-4, rtol=1e-4)
+    assert [int(n) for n in session.last_cache.layers[0].valid.sum(dim=2)[:, 0]] == [21, 5, 7, 4]
