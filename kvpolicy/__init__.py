@@ -2,7 +2,7 @@
 
     model, tok = kvpolicy.load_model("smollm2")
     session = kvpolicy.attach(model, kvpolicy.load_recipe("h2o"))
-    out = model.generate(**tok(prompt, return_tensors="pt"), past_key_values=session.new_cache())
+    out = model.generate(**tok(prompt, return_tensors="pt"), cache=session.new_cache())
     print(session.last_cache.memory_report())
 """
 

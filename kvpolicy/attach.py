@@ -8,6 +8,7 @@ transformers' attention interface works.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -74,8 +75,11 @@ def kvpolicy_attention(
 
     keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
     if layer.needs:
+        # a packed cache with no pads and no window needs no mask beyond causality
+        packed = query_valid is None and sliding_window is None and layer.past_packed
         out, stats = torch_ref.attend_tracking(
-            query, keys, values, mask_for, scaling, layer.needs, query_valid, start, layer.last_rows_window
+            query, keys, values, None if packed else mask_for, scaling, layer.needs, query_valid, start,
+            layer.last_rows_window,
         )
     else:
         out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
@@ -86,7 +90,7 @@ def kvpolicy_attention(
 def _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling) -> torch.Tensor:
     """SDPA for layers whose policies need no statistics, with the cheapest mask that is exact."""
     queries, slots = query.shape[2], keys.shape[2]
-    packed = query_valid is None and sliding_window is None and bool(layer.valid[:, :, :slots].all())
+    packed = sliding_window is None and layer.packed_tokens is not None
     if packed and queries == 1:
         return torch_ref.attend_sdpa(query, keys, values, None, scaling)  # a decode step sees every slot
     if packed and slots == queries:  # a fresh, unpadded prompt
@@ -106,7 +110,7 @@ def _attention_without_policy_cache(query, key, value, attention_mask, scaling, 
     if not _warned_no_cache:
         warnings.warn(
             "kvpolicy attention ran without a kvpolicy cache, so nothing is evicted; "
-            "pass past_key_values=session.new_cache() (or use session.generate)",
+            "pass cache=session.new_cache() to generate (past_key_values= in older transformers), or use session.generate",
             stacklevel=3,
         )
         _warned_no_cache = True
@@ -163,14 +167,17 @@ class Session:
 
     def generate(self, *args: Any, prompt_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
         """``model.generate`` with a fresh kvpolicy cache (available afterwards as ``last_cache``)."""
-        kwargs["past_key_values"] = self.new_cache(prompt_tokens)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*past_key_values.*")
-            return self.model.generate(*args, **kwargs)
+        kwargs[cache_keyword(self.model)] = self.new_cache(prompt_tokens)
+        return self.model.generate(*args, **kwargs)
 
     def detach(self) -> None:
         """Give the model back its previous attention implementation."""
         self.model.set_attn_implementation(self.previous_attention)
+
+
+def cache_keyword(model: PreTrainedModel) -> str:
+    """``cache`` where the installed transformers names it so (5.24+), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def model_shape(model: PreTrainedModel) -> tuple[int, int]:

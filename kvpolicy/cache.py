@@ -61,6 +61,12 @@ class PolicyLayer(CacheLayerMixin):
         )
         self.bounded = bool(self.bounded_cells.any())
         self.slack = max((h.budget.slack for h in cells), default=0)
+        self.drops_early = any(g.policy.drops_early for g in groups)
+        # python-side facts that let a decode step skip tensor reductions (and their syncs):
+        # packed_tokens = n means every (row, head) holds exactly n tokens in slots [0, n)
+        self.packed_tokens: int | None = 0
+        self.past_packed = True
+        self.uniform_limit: int | None = None  # one budget for every cell, once resolved
         self.prompt_tokens = prompt_tokens
         self.budget: torch.Tensor | None = None  # [B, Hkv], resolved at the first forward
         self.seen = 0  # slots' worth of tokens seen, pads included (what `generate` counts)
@@ -111,6 +117,7 @@ class PolicyLayer(CacheLayerMixin):
             # amortized growth for unbounded heads; bounded layers shrink back after eviction
             self._reallocate(needed + max(16, needed // 8))
         start = self.used
+        self.past_packed = self.packed_tokens is not None
         self.keys[:, :, start : start + count] = key_states
         self.values[:, :, start : start + count] = value_states
         self.valid[:, :, start : start + count] = True
@@ -135,6 +142,10 @@ class PolicyLayer(CacheLayerMixin):
             query_positions = torch.where(query_valid, self.real_seen[:, None] + ranks, -1)
             self.valid[:, :, start : start + count] &= query_valid[:, None, :]
         self.positions[:, :, start : start + count] = query_positions[:, None, :]
+        if query_valid is None and self.packed_tokens is not None:
+            self.packed_tokens += count
+        else:
+            self.packed_tokens = None
         new_real = count if query_valid is None else query_valid.sum(dim=1)
         self.real_seen = self.real_seen + new_real
         if self.budget is None:
@@ -159,6 +170,8 @@ class PolicyLayer(CacheLayerMixin):
             for b in range(batch)
         ]
         self.budget = torch.tensor(budget, dtype=torch.long, device=self.device)
+        if bool(self.bounded_cells.all()) and int(self.budget.min()) == int(self.budget.max()):
+            self.uniform_limit = int(self.budget.max())
 
     def key_mask(self, query_positions: torch.Tensor, slots: int, sliding_window: int | None) -> torch.Tensor:
         """Which slots each query may attend: [B, Hkv, q, slots] bool (valid, causal, inside the window)."""
@@ -198,21 +211,47 @@ class PolicyLayer(CacheLayerMixin):
         return scores.masked_fill(~view.valid, -torch.inf)
 
     def _evict(self) -> None:
-        valid = self.valid[:, :, : self.used]
-        count = valid.sum(dim=2)
+        if self.packed_tokens is not None and not self.drops_early:
+            if not self.bounded:
+                return
+            if self.uniform_limit is not None:
+                over = self.packed_tokens - self.uniform_limit
+                if over <= self.slack:
+                    return
+                if over == 1:
+                    self._drop_one(self._scores())  # the decode step: one token out per head
+                    self.evictions += 1
+                    return
+        count = self.valid[:, :, : self.used].sum(dim=2)
         unbounded = ~self.bounded_cells.to(self.device)
         limit = torch.where(unbounded, count, self.budget)
-        over = count - limit
-        has_holes = bool((count < self.used).any())
-        if not has_holes and int(over.max()) <= self.slack:
+        packed = int(count.min()) == self.used  # every head's tokens fill slots [0, used)
+        if packed and int((count - limit).max()) <= self.slack:
             return
         scores = self._scores()
         keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))
-        self._compact(scores, keep)
+        drop = count - keep
+        if packed and int(drop.min()) == 1 and int(drop.max()) == 1:
+            self._drop_one(scores)  # the decode step: one token out per head
+        else:
+            self._compact(scores, keep)
         self.evictions += 1
         target = int(keep.max()) + self.slack + 2  # room for the next token and the scratch slot
         if self.bounded and self.capacity > target + max(16, target // 8):
             self._reallocate(target)
+
+    def _drop_one(self, scores: torch.Tensor) -> None:
+        """Evict each head's lowest-scoring token by moving its last slot into the gap."""
+        last = self.used - 1
+        dst = scores.argmin(dim=2, keepdim=True)
+        src = torch.full_like(dst, last)
+        for name in ("keys", "values", "positions"):
+            setattr(self, name, _move(getattr(self, name), src, dst))
+        self.state = {name: _move(tensor, src, dst) for name, tensor in self.state.items()}
+        self.valid[:, :, last] = False
+        self.positions[:, :, last] = -1
+        self.used = last
+        self.packed_tokens = last
 
     def _compact(self, scores: torch.Tensor, keep: torch.Tensor) -> None:
         """Keep the ``keep`` [B, Hkv] best slots of each head, packed into slots [0, keep)."""
@@ -243,6 +282,7 @@ class PolicyLayer(CacheLayerMixin):
         self.valid[:, :, : max(self.used, new_used)] = torch.arange(max(self.used, new_used), device=self.device) < keep[..., None]
         self.positions[:, :, :new_used].masked_fill_(~self.valid[:, :, :new_used], -1)
         self.used = new_used
+        self.packed_tokens = new_used if int(keep.min()) == new_used else None
 
     # --- transformers' Cache protocol --------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -258,6 +298,7 @@ class PolicyLayer(CacheLayerMixin):
         self.is_initialized = False
         self.keys = self.values = None
         self.budget, self.seen, self.used, self.pending = None, 0, 0, None
+        self.packed_tokens, self.uniform_limit = 0, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise KVPolicyError("beam search is not supported with a kvpolicy cache; use greedy or sampling")

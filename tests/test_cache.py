@@ -27,7 +27,7 @@ def test_budget_held_after_prefill_and_every_step(policy, params, budget):
     ids, mask = padded_batch(lengths=LENGTHS)
     session = attach(model, uniform_plan(model, policy, budget, **params))
     recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
-    greedy(model, ids, mask, 12, recorder=recorder, past_key_values=session.new_cache())
+    greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
     session.detach()
     expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
     for step, counts in enumerate(recorder.steps):
@@ -39,7 +39,7 @@ def test_memory_report_is_the_real_storage():
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=LENGTHS)
     session = attach(model, uniform_plan(model, "h2o", Budget(tokens=6)))
-    greedy(model, ids, mask, 5, past_key_values=session.new_cache())
+    greedy(model, ids, mask, 5, cache=session.new_cache())
     session.detach()
     report = session.last_cache.memory_report()
     config = model.config
@@ -58,7 +58,7 @@ def test_pads_are_never_kept_and_positions_count_real_tokens():
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=LENGTHS)
     session = attach(model, uniform_plan(model, "full"))
-    model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache())
+    model(input_ids=ids, attention_mask=mask, cache=session.new_cache())
     session.detach()
     kept = session.last_cache.kept_positions(0)
     for row, length in enumerate(LENGTHS):
@@ -69,7 +69,7 @@ def test_streaming_keeps_sinks_and_recent():
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=(17,))
     session = attach(model, uniform_plan(model, "streaming", Budget(tokens=6), sinks=2))
-    greedy(model, ids, mask, 3, past_key_values=session.new_cache())
+    greedy(model, ids, mask, 3, cache=session.new_cache())
     session.detach()
     # 17 prompt tokens + 2 fed back (the last generated token is never fed)
     assert session.last_cache.kept_positions(1)[0][0] == [0, 1, 15, 16, 17, 18]
@@ -79,7 +79,7 @@ def test_window_keeps_the_most_recent():
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=(17,))
     session = attach(model, uniform_plan(model, "window", Budget(tokens=4)))
-    model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache())
+    model(input_ids=ids, attention_mask=mask, cache=session.new_cache())
     session.detach()
     assert session.last_cache.kept_positions(2)[0][1] == [13, 14, 15, 16]
 
@@ -88,10 +88,10 @@ def test_ratio_budget_needs_a_prompt_length_when_fed_token_by_token():
     model = tiny_model("llama")
     session = attach(model, uniform_plan(model, "h2o", Budget(ratio=0.2)))
     with pytest.raises(KVPolicyError, match="prompt_tokens"):
-        model(input_ids=torch.tensor([[5]]), past_key_values=session.new_cache())
+        model(input_ids=torch.tensor([[5]]), cache=session.new_cache())
     cache = session.new_cache(prompt_tokens=20)
     for token in range(1, 12):
-        model(input_ids=torch.tensor([[token]]), past_key_values=cache)
+        model(input_ids=torch.tensor([[token]]), cache=cache)
     session.detach()
     assert cache.layers[0].memory()["tokens_max"] == 4
 
@@ -101,7 +101,7 @@ def test_slack_amortizes_compaction():
     ids, mask = padded_batch(lengths=(17,))
     session = attach(model, uniform_plan(model, "h2o", Budget(tokens=5, slack=3)))
     recorder = StepRecorder(lambda: session.last_cache.layers[0].memory()["tokens_max"])
-    greedy(model, ids, mask, 9, recorder=recorder, past_key_values=session.new_cache())
+    greedy(model, ids, mask, 9, recorder=recorder, cache=session.new_cache())
     session.detach()
     assert recorder.steps == [5, 6, 7, 8, 5, 6, 7, 8, 5]
 
@@ -120,11 +120,11 @@ def test_rows_with_different_recipes_match_each_recipe_alone():
     alone = []
     for plan in plans:
         session = attach(model, plan)
-        alone.append(greedy(model, ids, mask, 8, past_key_values=session.new_cache())[1])
+        alone.append(greedy(model, ids, mask, 8, cache=session.new_cache())[1])
         session.detach()
     session = attach_rows(model, plans)
     batch = len(plans)
-    _, logits = greedy(model, ids.expand(batch, -1), mask.expand(batch, -1), 8, past_key_values=session.new_cache())
+    _, logits = greedy(model, ids.expand(batch, -1), mask.expand(batch, -1), 8, cache=session.new_cache())
     session.detach()
     for row, expected in enumerate(alone):
         torch.testing.assert_close(logits[row : row + 1], expected, atol=1e-4, rtol=1e-4)

@@ -23,8 +23,8 @@ def test_large_budget_equals_transformers(arch):
     for policy, params in POLICIES:
         session = attach(model, uniform_plan(model, policy, Budget(tokens=1000), **params))
         try:
-            tokens, logits = greedy(session.model, ids, mask, STEPS, past_key_values=session.new_cache())
-            prefill = model(input_ids=ids, attention_mask=mask, past_key_values=session.new_cache()).logits
+            tokens, logits = greedy(session.model, ids, mask, STEPS, cache=session.new_cache())
+            prefill = model(input_ids=ids, attention_mask=mask, cache=session.new_cache()).logits
         finally:
             session.detach()
         assert torch.equal(tokens, ref_tokens), policy

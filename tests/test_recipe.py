@@ -282,7 +282,7 @@ def test_unknown_param(tmp_path):
     )
     assert 'r.yaml:5: params.recent_ratoi: unknown parameter of policy "h2o"' in message
     assert (
-        'did you mean "recent_ratio"' in message and "Known parameters: accumulate, recent_ratio" in message
+        'did you mean "recent_ratio"' in message and "Known parameters: accumulate, decay, recent_ratio" in message
     )
 
 

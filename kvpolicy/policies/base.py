@@ -79,6 +79,9 @@ class Policy:
     state: ClassVar[dict[str, torch.dtype]] = {}
     #: False for policies that never evict (``full``): budgets do not apply to them.
     bounded: ClassVar[bool] = True
+    #: True if ``score`` may give ``-inf`` to valid tokens (drop now, whatever the budget); lets the
+    #: cache skip that check on the decode fast path for every other policy.
+    drops_early: ClassVar[bool] = False
     #: Rows W of ``last_rows`` the policy needs (only read when "last_rows" in needs).
     last_rows_window: int = 0
 

@@ -21,10 +21,15 @@ class H2OParams:
     # "sum" is the paper; "mean" divides F by the number of queries that saw the token,
     # removing the bias toward early tokens (kvpress ObservedAttention).
     accumulate: str = "sum"
+    # 1.0 is the paper; below 1, older attention fades by this factor per attention call,
+    # so tokens that mattered long ago give way (the decayed sums of KVCache-Factory)
+    decay: float = 1.0
 
     def validate(self) -> None:
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError("recent_ratio must be in [0, 1]")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError("decay must be in (0, 1]")
         if self.accumulate not in ("sum", "mean"):
             raise ValueError('accumulate must be "sum" or "mean"')
 
@@ -37,6 +42,8 @@ class H2O(Policy):
     state = {"acc": torch.float32}
 
     def observe(self, state: dict[str, torch.Tensor], stats: AttentionStats) -> None:
+        if self.params.decay < 1.0:
+            state["acc"].mul_(self.params.decay)
         state["acc"] += stats.colsum
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The installed CLI: listings, validate, and bad input -> a clear message and exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvpolicy.cli import main
+
+BAD_RECIPES = {
+    "malformed.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2\n", "malformed.yaml:"),
+    "unknown_key.yaml": ("kvpolicy: 1\npolicy: h2o\nbudgte: {ratio: 0.2}\n", 'did you mean "budget"'),
+    "unknown_policy.yaml": ("kvpolicy: 1\npolicy: h3o\nbudget: {ratio: 0.2}\n", "Available: full, h2o"),
+    "ratio_high.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 1.5}\n", "ratio"),
+    "ratio_zero.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0}\n", "ratio"),
+    "tokens_zero.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {tokens: 0}\n", "tokens"),
+    "layer_range.yaml": (
+        "kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2}\nlayers:\n  - {layers: 30-31, policy: full}\n",
+        "layer_range.yaml:5",
+    ),
+    "head_range.yaml": (
+        "kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2}\nheads:\n  - {layers: 2, heads: [3], policy: full}\n",
+        "head_range.yaml:5",
+    ),
+}
+
+
+def cli_path() -> str:
+    return shutil.which("kvpolicy") or os.path.join(os.path.dirname(sys.executable), "kvpolicy")
+
+
+@pytest.mark.parametrize("name", sorted(BAD_RECIPES))
+def test_bad_recipe_exits_2_with_message(tmp_path, capsys, name):
+    text, expected = BAD_RECIPES[name]
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvpolicy: error: ") and expected in err and "Traceback" not in err
+
+
+def test_missing_recipe_file(capsys):
+    assert main(["validate", "no/such/recipe.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "no/such/recipe.yaml" in err and "h2o" in err
+
+
+def test_installed_cli_error_has_no_traceback(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("kvpolicy: 1\npolicy: h2o\nparams: {recent_ratoi: 0.5}\nbudget: {ratio: 0.2}\n")
+    result = subprocess.run([cli_path(), "validate", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "bad.yaml:3" in result.stderr and 'did you mean "recent_ratio"' in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_validate_prints_plan_per_layer_and_head(capsys):
+    assert main(["validate", "recipes/mixed.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "layers 0-1: heads 0-2: full" in out
+    assert "layers 10: heads 0: h2o" in out and "heads 1: streaming(sinks=4)" in out
+    assert "layers 11-29: heads 0-2: h2o" in out
+
+
+def test_policies_and_recipes_listings(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    for name in ("full", "window", "streaming", "h2o"):
+        assert name in out
+    assert "built-in" in out and "colsum" in out
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "mixed" in out and "h2o" in out
+
+
+@pytest.mark.parametrize("budget,ok", [("0.2", True), ("512", True), ("0", False), ("1.5", False), ("x", False)])
+def test_budget_argument(budget, ok):
+    from kvpolicy.cli import parse_budget
+    from kvpolicy.errors import KVPolicyError
+
+    if ok:
+        parse_budget(budget)
+    else:
+        with pytest.raises(KVPolicyError):
+            parse_budget(budget)

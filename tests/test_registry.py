@@ -1,0 +1,80 @@
+"""The registry: built-ins come through the plugin hook; broken plugins are reported, not fatal."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kvpolicy import hookimpl
+from kvpolicy.errors import KVPolicyError
+from kvpolicy.policies.base import Policy
+from kvpolicy.registry import Registry
+
+
+class KeyNorm(Policy):
+    name = "test_keynorm"
+    description = "test plugin policy"
+
+    def score(self, state, view):
+        return view.positions.float()
+
+
+def plugin(*policies) -> types.ModuleType:
+    module = types.ModuleType("fake_plugin")
+
+    @hookimpl
+    def kvpolicy_register_policies():
+        return list(policies)
+
+    module.kvpolicy_register_policies = kvpolicy_register_policies
+    return module
+
+
+def test_builtins_register_through_the_hook():
+    registry = Registry(load_entry_points=False)
+    assert registry.names() == ["full", "h2o", "streaming", "window"]
+    assert {entry.source for entry in registry.policies.values()} == {"built-in"}
+    assert registry.get("h2o").needs == frozenset({"colsum"})
+
+
+def test_plugin_policy_is_registered_with_its_source():
+    registry = Registry(load_entry_points=False)
+    registry._add_plugin(plugin(KeyNorm), "fake", "plugin fake 0.1")
+    assert registry.get("test_keynorm") is KeyNorm
+    assert registry.policies["test_keynorm"].source == "plugin fake 0.1"
+
+
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (type("NoName", (Policy,), {}), "has no `name`"),
+        (type("Dup", (Policy,), {"name": "h2o"}), "already registered"),
+        (type("Needs", (Policy,), {"name": "needy", "needs": frozenset({"logits"})}), "unknown statistics"),
+        (dict, "not a kvpolicy.Policy"),
+    ],
+)
+def test_broken_plugin_is_reported_and_others_still_work(bad, reason):
+    registry = Registry(load_entry_points=False)
+    registry._add_plugin(plugin(bad), "broken", "plugin broken 0.1")
+    assert reason in registry.broken["broken"]
+    assert registry.get("h2o")
+    with pytest.raises(KVPolicyError, match="Available: full, h2o, streaming, window"):
+        registry.get("needy")
+
+
+def test_unknown_policy_suggests_the_closest():
+    with pytest.raises(KVPolicyError, match='did you mean "streaming"'):
+        Registry(load_entry_points=False).get("streamin")
+
+
+def test_policy_scores_have_the_view_shape():
+    view_positions = torch.arange(6).expand(2, 3, 6)
+    from kvpolicy.policies.base import TokenView
+
+    view = TokenView(view_positions, torch.ones(2, 3, 6, dtype=torch.bool), torch.tensor([6, 6]), torch.full((2, 3), 4))
+    for name in Registry(load_entry_points=False).names():
+        policy = Registry(load_entry_points=False).get(name)()
+        state = {key: torch.zeros(2, 3, 6) for key in policy.state}
+        assert policy.score(state, view).shape == (2, 3, 6)
