@@ -9,7 +9,6 @@ transformers' attention interface works.
 from __future__ import annotations
 
 import inspect
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from .backend import torch_ref
+from .backend.select import select_backend
 from .cache import PolicyCache, PolicyLayer, active_layer, build_groups
 from .errors import KVPolicyError
 from .plan import Plan
@@ -76,11 +76,20 @@ def kvpolicy_attention(
     keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
     if layer.needs:
         # a packed cache with no pads and no window needs no mask beyond causality
-        packed = query_valid is None and sliding_window is None and layer.past_packed
-        out, stats = torch_ref.attend_tracking(
-            query, keys, values, None if packed else mask_for, scaling, layer.needs, query_valid, start,
-            layer.last_rows_window,
-        )
+        if layer.backend == "triton":
+            from .backend.triton_kernels import attend_tracking_triton  # lazy: importing triton is slow
+
+            out, stats = attend_tracking_triton(
+                query, keys, values, layer.valid[:, :, :slots], layer.positions[:, :, :slots], query_positions,
+                scaling, layer.needs, query_valid, start, layer.last_rows_window, sliding_window,
+            )
+        else:
+            # a packed cache with no pads and no window needs no mask beyond causality
+            packed = query_valid is None and sliding_window is None and layer.past_packed
+            out, stats = torch_ref.attend_tracking(
+                query, keys, values, None if packed else mask_for, scaling, layer.needs, query_valid, start,
+                layer.last_rows_window,
+            )
     else:
         out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
     layer.end_attention(stats)
@@ -161,7 +170,9 @@ class Session:
         layers = []
         for index in range(len(self.plan.layers)):
             rows = [plan.layers[index] for plan in plans]
-            layers.append(PolicyLayer(index, rows, build_groups(rows, self._policies), prompt_tokens))
+            layer = PolicyLayer(index, rows, build_groups(rows, self._policies), prompt_tokens)
+            layer.backend = self.plan.backend
+            layers.append(layer)
         self.last_cache = PolicyCache(layers)
         return self.last_cache
 
@@ -206,7 +217,9 @@ def attach(
         plan = recipe.resolve(num_layers, num_kv_heads)
     if len(plan.layers) != num_layers:
         raise KVPolicyError(f"the plan has {len(plan.layers)} layers but the model has {num_layers}")
-    plan.backend = _select_backend(backend or os.environ.get("KVPOLICY_BACKEND") or plan.backend)
+    device = next(model.parameters()).device
+    # precedence: the explicit argument, then $KVPOLICY_BACKEND, then the recipe's `backend:`
+    plan.backend = select_backend(backend, device, use_env=False) if backend else select_backend(plan.backend, device)
     register()
     previous = model.config._attn_implementation or "sdpa"
     if previous == ATTENTION_NAME:
@@ -227,14 +240,3 @@ def attach_rows(model: PreTrainedModel, recipes: list[Any], *, registry: Registr
     first.row_plans = [session.plan for session in sessions]
     first.__post_init__()
     return first
-
-
-def _select_backend(name: str) -> str:
-    if name in ("auto", "torch"):
-        return "torch"
-    if name == "triton":
-        raise KVPolicyError(
-            "the Triton backend is not available yet; use backend: torch (or auto) in the recipe, "
-            "or unset KVPOLICY_BACKEND"
-        )
-    raise KVPolicyError(f"unknown backend {name!r}; choose auto, torch or triton")

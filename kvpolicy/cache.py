@@ -73,6 +73,7 @@ class PolicyLayer(CacheLayerMixin):
         self.used = 0  # slots in use: the high-water mark over (row, head)
         self.pending: tuple[int, int] | None = None  # (first slot, count) of tokens appended by this forward
         self.evictions = 0
+        self.backend = "torch"  # set by the session: "torch" or "triton" for the tracking attention
 
     # --- storage -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

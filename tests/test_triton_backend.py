@@ -1,0 +1,368 @@
+"""The Triton score-tracking kernels equal the torch reference (CPU, Triton's interpreter).
+
+Triton decides between compiling and interpreting when it is first imported, so
+``TRITON_INTERPRET=1`` is set here before anything imports triton. If something in the
+same pytest run imported triton earlier without it, the kernel tests re-run this file in
+a subprocess instead (see `test_rerun_in_subprocess`).
+
+Tolerances (the same fp32 math on the same rounded inputs, so tight for every dtype):
+statistics atol/rtol 2e-5 (``below_uniform``: counts / G, equal up to rounding); output
+fp32 1e-5, fp16 2e-3 (1 ulp of the fp16 result), bf16 1e-2 / 1.6e-2 (1 ulp of bf16).
+Under the interpreter fp16/bf16 are upcast before ``tl.dot``; the GPU's native fp16 dot
+path (P cast to the value dtype for P @ V) is covered by one fp16 case.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+_ORIGINAL_INTERPRET = os.environ.get("TRITON_INTERPRET")
+# triton imported earlier in this process without the interpreter cannot run kernels on CPU
+_TRITON_PREIMPORTED = "triton" in sys.modules and _ORIGINAL_INTERPRET != "1"
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvpolicy.backend import torch_ref  # noqa: E402
+from kvpolicy.backend.select import select_backend  # noqa: E402
+from kvpolicy.errors import KVPolicyError  # noqa: E402
+
+in_process = pytest.mark.skipif(
+    _TRITON_PREIMPORTED, reason="triton was imported before TRITON_INTERPRET=1; see test_rerun_in_subprocess"
+)
+
+ALL_STATS = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows"})
+STAT_TOL = dict(atol=2e-5, rtol=2e-5)
+OUT_TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_interpret_env():
+    yield
+    if _ORIGINAL_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _ORIGINAL_INTERPRET
+
+
+def make_case(
+    *, batch=2, kv_heads=2, groups=3, past=36, queries=1, dim=64, dtype=torch.float32, pads=0,
+    ragged=True, trailing=0, seed=0,
+):
+    """Inputs laid out as `PolicyLayer` holds them after ``update`` + ``begin_attention``.
+
+    Past slots hold a random subset of earlier real tokens per (row, head) at arbitrary slots
+    (as after eviction), empty slots invalid with position -1; row 0 of the new tokens starts
+    with ``pads`` left pads (invalid, position -1, query_valid False); ``trailing`` empty slots
+    follow the new tokens (storage capacity beyond the slots in use).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    total = past + queries + trailing
+    query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen).to(dtype)
+    keys = (torch.randn(batch, kv_heads, total, dim, generator=gen) * 1.5).to(dtype)
+    values = torch.randn(batch, kv_heads, total, dim, generator=gen).to(dtype)
+    seen = past + 5  # real tokens seen before this call: more than the past slots (some were evicted)
+    positions = torch.full((batch, kv_heads, total), -1, dtype=torch.long)
+    valid = torch.zeros(batch, kv_heads, total, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(kv_heads):
+            keep = torch.randperm(seen, generator=gen)[:past]
+            positions[b, h, :past] = keep
+            valid[b, h, :past] = torch.rand(past, generator=gen) > 0.3 if ragged else True
+    positions[:, :, :past].masked_fill_(~valid[:, :, :past], -1)
+    query_valid = torch.ones(batch, queries, dtype=torch.bool)
+    query_valid[0, :pads] = False
+    ranks = torch.cumsum(query_valid.long(), dim=1) - 1
+    query_positions = torch.where(query_valid, seen + ranks, -1)
+    positions[:, :, past : past + queries] = query_positions[:, None, :]
+    valid[:, :, past : past + queries] = query_valid[:, None, :]
+    return dict(
+        query=query, keys=keys, values=values, valid=valid, key_positions=positions,
+        query_positions=query_positions, query_valid=query_valid if pads else None, past_slots=past,
+    )
+
+
+def reference(case, needs, last_rows, sliding_window=None, packed=False):
+    valid, positions, query_positions = case["valid"], case["key_positions"], case["query_positions"]
+
+    def mask_for(lo, hi, width):  # what attach.py builds from PolicyLayer.key_mask
+        key_pos = positions[:, :, None, :width]
+        query_pos = query_positions[:, lo:hi][:, None, :, None]
+        mask = valid[:, :, None, :width] & (key_pos <= query_pos)
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        return mask
+
+    query = case["query"]
+    return torch_ref.attend_tracking(
+        query, case["keys"], case["values"], None if packed else mask_for, query.shape[-1] ** -0.5, needs,
+        case["query_valid"], case["past_slots"], last_rows,
+    )
+
+
+def triton_run(case, needs, last_rows, sliding_window=None, mode="auto"):
+    from kvpolicy.backend.triton_kernels import attend_tracking_triton
+
+    query = case["query"]
+    return attend_tracking_triton(
+        query, case["keys"], case["values"], case["valid"], case["key_positions"], case["query_positions"],
+        query.shape[-1] ** -0.5, needs, case["query_valid"], case["past_slots"], last_rows, sliding_window,
+        mode=mode,
+    )
+
+
+def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decode", "prefill"), packed=False):
+    ref_out, ref = reference(case, needs, last_rows, sliding_window, packed)
+    dtype = case["query"].dtype
+    for mode in modes:
+        out, stats = triton_run(case, needs, last_rows, sliding_window, mode)
+        assert out.dtype == dtype and out.shape == ref_out.shape, mode
+        torch.testing.assert_close(
+            out.float(), ref_out.float(), **OUT_TOL[dtype], msg=lambda m, mode=mode: f"{mode} output: {m}"
+        )
+        assert torch.equal(stats.queries, ref.queries), mode
+        for name in ("colsum", "colsum_sq", "below_uniform", "last_rows"):
+            mine = getattr(stats, name)
+            if name not in needs or (name == "last_rows" and last_rows == 0):
+                assert mine is None, (mode, name)
+                continue
+            theirs = getattr(ref, name)
+            assert mine.dtype == torch.float32 and mine.shape == theirs.shape, (mode, name)
+            torch.testing.assert_close(
+                mine, theirs, **STAT_TOL, msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}"
+            )
+
+
+# --- kernels against the reference ------------------------------------------------------------------
+@in_process
+@pytest.mark.parametrize("groups", [1, 3, 4])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_decode_step(groups, dim):
+    """One query per row over 36 past slots (37 keys: not a multiple of the 16-slot block), ragged heads."""
+    check(make_case(groups=groups, dim=dim, past=36, queries=1, seed=groups * dim))
+
+
+@in_process
+@pytest.mark.parametrize("groups,dim,queries", [(1, 128, 7), (3, 64, 37), (4, 128, 7)])
+def test_prefill_left_padded(groups, dim, queries):
+    """A fresh causal prompt (past_slots=0) whose row 0 starts with 3 pads."""
+    check(make_case(groups=groups, dim=dim, past=0, queries=queries, pads=3, ragged=False, seed=queries))
+
+
+@in_process
+@pytest.mark.parametrize("groups", [3, 4])
+def test_chunk_with_past_ragged_and_pads(groups):
+    """A 5-query chunk over a ragged, evicted past (e.g. chunked prefill), pads in row 0."""
+    check(make_case(groups=groups, dim=64, past=32, queries=5, pads=2, seed=7))
+
+
+@in_process
+def test_single_key():
+    """T = 1: the first token of a prompt."""
+    check(make_case(groups=3, dim=64, past=0, queries=1, ragged=False))
+
+
+@in_process
+def test_head_and_row_with_no_visible_key():
+    """A head whose every slot is empty and a pad query: output 0 and no statistics, no NaN.
+
+    Also 3 empty slots after the new tokens (T > past_slots + q): their statistics are 0."""
+    case = make_case(groups=3, dim=64, past=20, queries=5, pads=5, trailing=3, seed=3)
+    case["valid"][1, 0] = False
+    case["key_positions"][1, 0] = -1
+    check(case)
+
+
+@in_process
+def test_pad_queries_add_nothing_even_where_they_see_keys():
+    """query_valid False is what silences a query's statistics (its output is free to be anything)."""
+    case = make_case(groups=3, dim=64, past=20, queries=5, seed=14)
+    case["query_valid"] = torch.tensor([[False, True, True, False, True], [True] * 5])
+    needs = ALL_STATS
+    _, ref = reference(case, needs, 5)
+    for mode in ("decode", "prefill"):
+        _, stats = triton_run(case, needs, 5, mode=mode)
+        assert torch.equal(stats.queries, ref.queries)
+        for name in ("colsum", "colsum_sq", "below_uniform", "last_rows"):
+            torch.testing.assert_close(
+                getattr(stats, name), getattr(ref, name), **STAT_TOL,
+                msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}",
+            )
+
+
+@in_process
+def test_packed_cache_matches_reference_fast_paths():
+    """No pads and every slot valid: the reference's mask-free (and decode-step) paths."""
+    decode = make_case(groups=4, dim=64, past=36, queries=1, ragged=False, seed=11)
+    check(decode, needs=frozenset({"colsum", "last_rows"}), last_rows=1, packed=True)
+    prompt = make_case(groups=4, dim=64, past=0, queries=21, ragged=False, seed=12)
+    check(prompt, packed=True, modes=("prefill",))
+
+
+@in_process
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    """fp16/bf16 storage, fp32 statistics; decode and a left-padded prompt."""
+    check(make_case(groups=4, dim=128, past=36, queries=1, dtype=dtype, seed=5))
+    check(make_case(groups=3, dim=64, past=0, queries=37, pads=3, ragged=False, dtype=dtype, seed=6))
+
+
+@in_process
+def test_native_fp16_dot_path(monkeypatch):
+    """The GPU path: fp16 straight into tl.dot, P cast to fp16 for P @ V (the interpreter's fp16 dot is exact)."""
+    from kvpolicy.backend import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "NATIVE_DOT_UNDER_INTERPRETER", True)
+    check(make_case(groups=3, dim=64, past=20, queries=5, pads=2, dtype=torch.float16, seed=8))
+
+
+@in_process
+def test_sliding_window():
+    check(make_case(groups=3, dim=64, past=30, queries=5, pads=1, seed=9), sliding_window=9)
+
+
+@in_process
+@pytest.mark.parametrize(
+    "needs,last_rows",
+    [(frozenset({"colsum"}), 0), (frozenset({"last_rows"}), 2), (frozenset({"below_uniform", "last_rows"}), 8)],
+)
+def test_subsets_of_statistics(needs, last_rows):
+    """Only the asked-for statistics are computed; a last_rows window wider than the call is clipped."""
+    check(make_case(groups=3, dim=64, past=10, queries=5, pads=1, seed=10), needs=needs, last_rows=last_rows)
+
+
+@in_process
+def test_auto_mode_picks_by_rows():
+    """auto: decode kernels for G*q <= 16 rows, prefill kernels beyond; both equal the reference."""
+    from kvpolicy.backend import triton_kernels
+
+    calls = []
+    for name in ("_decode_partial_kernel", "_prefill_fwd_kernel"):
+        kernel = getattr(triton_kernels, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                calls.append(self.name)
+                return self.kernel[grid]
+
+        setattr(triton_kernels, name, Spy(kernel, name))
+    try:
+        check(make_case(groups=4, dim=64, past=20, queries=4, seed=13), modes=("auto",))
+        check(make_case(groups=4, dim=64, past=20, queries=5, seed=13), modes=("auto",))
+    finally:
+        for name in ("_decode_partial_kernel", "_prefill_fwd_kernel"):
+            setattr(triton_kernels, name, getattr(triton_kernels, name).kernel)
+    assert calls == ["_decode_partial_kernel", "_prefill_fwd_kernel"]
+
+
+# --- end to end on a tiny model -------------------------------------------------------------------
+@in_process
+def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
+    from helpers import StepRecorder, greedy, uniform_plan
+    from tiny_models import padded_batch, tiny_model
+
+    from kvpolicy.attach import attach
+    from kvpolicy.backend.triton_kernels import attend_tracking_triton
+    from kvpolicy.plan import Budget
+
+    model = tiny_model("llama")  # 6 query heads over 2 KV heads (G=3), head dim 16
+    ids, mask = padded_batch(lengths=(17, 12, 9))
+    steps = 8
+    layers = range(model.config.num_hidden_layers)
+
+    def run():
+        session = attach(model, uniform_plan(model, "h2o", Budget(tokens=7), recent_ratio=0.5))
+        recorder = StepRecorder(lambda: {i: session.last_cache.kept_positions(i) for i in layers})
+        try:
+            tokens, logits = greedy(session.model, ids, mask, steps, recorder=recorder, cache=session.new_cache())
+        finally:
+            session.detach()
+        return tokens, logits, recorder.steps
+
+    ref_tokens, ref_logits, ref_kept = run()
+
+    calls = []
+    from kvpolicy.backend import triton_kernels
+
+    def counting(query, *args, **kwargs):
+        calls.append(query.shape[2])
+        return attend_tracking_triton(query, *args, **kwargs)
+
+    monkeypatch.setattr(triton_kernels, "attend_tracking_triton", counting)
+    monkeypatch.setenv("KVPOLICY_BACKEND", "triton")  # the real selection path in attach()
+    tokens, logits, kept = run()
+
+    assert len(calls) == len(layers) * steps and calls[0] == ids.shape[1]
+    assert kept == ref_kept
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+# --- backend selection -----------------------------------------------------------------------------
+def test_select_backend(monkeypatch):
+    monkeypatch.delenv("KVPOLICY_BACKEND", raising=False)
+    cpu = torch.device("cpu")
+    assert select_backend(None, cpu) == "torch"
+    assert select_backend("auto", cpu) == "torch"
+    assert select_backend("torch", torch.device("cuda")) == "torch"
+    assert select_backend("auto", torch.device("cuda")) == "triton"  # triton imports here
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert select_backend("triton", cpu) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    if not torch.cuda.is_available():
+        with pytest.raises(KVPolicyError, match="CUDA GPU.*backend: torch or auto.*TRITON_INTERPRET=1"):
+            select_backend("triton", cpu)
+        with pytest.raises(KVPolicyError, match="no CUDA device"):
+            select_backend("triton", None)
+    with pytest.raises(KVPolicyError, match='unknown backend .*did you mean "triton"'):
+        select_backend("trition", cpu)
+
+
+def test_select_backend_environment_overrides_the_recipe(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KVPOLICY_BACKEND", "torch")
+    assert select_backend("triton", torch.device("cpu")) == "torch"
+    monkeypatch.setenv("KVPOLICY_BACKEND", "triton")
+    assert select_backend("torch", torch.device("cpu"), use_env=False) == "torch"
+    if not torch.cuda.is_available():
+        with pytest.raises(KVPolicyError, match="environment variable KVPOLICY_BACKEND.*unset KVPOLICY_BACKEND"):
+            select_backend("torch", torch.device("cpu"))
+    monkeypatch.setenv("KVPOLICY_BACKEND", "")
+    assert select_backend("torch", torch.device("cpu")) == "torch"
+
+
+# --- the GPU benchmark's logic, at toy sizes --------------------------------------------------------
+@in_process
+def test_gpu_benchmark_interpret_smoke():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, str(script), "--interpret-smoke"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "decode" in done.stdout and "prefill" in done.stdout
+
+
+@pytest.mark.skipif(not _TRITON_PREIMPORTED, reason="ran in process")
+def test_rerun_in_subprocess():
+    """triton was imported without the interpreter before this module: run the kernel tests in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1], timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", done.stdout)
+    assert passed and int(passed.group(1)) >= 20, done.stdout[-2000:]  # the kernel tests really ran there
