@@ -1,0 +1,420 @@
+"""``kvpolicy compare``: sweep recipes x budgets x tasks; results file, CSV, plots and a terminal table.
+
+The model loads once; the full-cache baseline is always part of the sweep (once, not
+per budget); tasks that can run every row as a row of one batch do (see
+`kvpolicy.tasks`). Each finished task appends its rows to ``results.jsonl`` at once, so
+an interrupted sweep resumes where it stopped: rows already there (same task, recipe,
+budget, model, text and task settings) are skipped unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import KVPolicyError, did_you_mean
+from .tasks import Context, Row, Task, available_tasks
+
+DEFAULT_RECIPES = ["full", "window", "streaming", "h2o"]
+DEFAULT_BUDGETS = ["0.1", "0.2", "0.5"]
+DEFAULT_TASKS = ["ppl", "memory", "speed", "passkey", "fidelity"]
+MIN_TOKENS = 16
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    add("--recipes", nargs="+", default=DEFAULT_RECIPES, metavar="RECIPE",
+        help="built-in recipe names or YAML files; the full cache is always added as the baseline "
+             f"(default: {' '.join(DEFAULT_RECIPES)})")
+    add("--budgets", nargs="+", default=DEFAULT_BUDGETS, metavar="BUDGET",
+        help="ratios (0.2 = 20%% of the prompt, or of the evaluated tokens for ppl) or token counts (512) "
+             f"(default: {' '.join(DEFAULT_BUDGETS)})")
+    add("--tasks", nargs="+", default=DEFAULT_TASKS, metavar="TASK",
+        help=f"tasks to run (default: {' '.join(DEFAULT_TASKS)}; see kvpolicy/tasks)")
+    add("--text-file", help="evaluation text (default: the pydoc topics that ship with CPython)")
+    add("--tokens", type=int, default=768,
+        help="evaluation length: tokens scored by ppl; prompt length of memory and speed (default: 768)")
+    add("--prompt-tokens", type=int, default=400, help="prompt length of passkey and fidelity (default: 400)")
+    add("--trials", type=int, default=1,
+        help="passkey prompts per depth (5 depths); fidelity uses 2 prompts per trial (default: 1)")
+    add("--ppl-mode", choices=["token", "chunked"], default="token",
+        help="token: one token per forward, as the StreamingLLM/H2O papers; chunked: 64 at a time, faster")
+    add("--threads", type=int, default=1,
+        help="torch threads (default: 1, steady even when another process is busy; try 2 on an idle 2-core machine)")
+    add("--seed", type=int, default=0, help="seed for passkey keys and fidelity prompts (default: 0)")
+    add("--out", help="output folder (default: runs/compare-<timestamp>)")
+    add("--force", action="store_true", help="recompute rows already in the output folder's results.jsonl")
+    add("--json", action="store_true", help="print the results as JSON to stdout (the table goes to stderr)")
+
+
+# --- inputs ------------------------------------------------------------------------------------------
+
+
+def _tasks(names: list[str]) -> list[Task]:
+    tasks = available_tasks()
+    for name in names:
+        if name not in tasks:
+            raise KVPolicyError(f"unknown task {name!r}{did_you_mean(name, tasks)}. Available: {', '.join(tasks)}")
+    return [tasks[name] for name in dict.fromkeys(names)]
+
+
+def _budgets(texts: list[str]) -> list[tuple[str, Any]]:
+    from .cli import parse_budget
+
+    budgets: dict[str, Any] = {}
+    for text in texts:
+        budget = parse_budget(text)
+        label = f"{budget.ratio:g}" if budget.ratio is not None else str(budget.tokens)
+        budgets.setdefault(label, budget)
+    return list(budgets.items())
+
+
+def _recipes(sources: list[str]) -> list[tuple[str, Any]]:
+    from .recipe import load_recipe
+
+    recipes: dict[str, Any] = {}
+    for source in ["full", *sources]:
+        recipe = load_recipe(source)
+        label = recipe.name if recipe.name not in recipes else source  # two recipes with one name: use the path
+        recipes.setdefault(label, recipe)
+    return list(recipes.items())
+
+
+def _read_text(path: str | None) -> tuple[str, str]:
+    if path is None:
+        from pydoc_data.topics import topics
+
+        return "\n\n".join(topics.values()), "pydoc_data.topics"
+    file = Path(path)
+    if not file.is_file():
+        raise KVPolicyError(f"text file {path!r} does not exist (or is not a file)")
+    text = file.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise KVPolicyError(f"text file {path!r} is empty: give a file with text to evaluate on")
+    return text, str(file)
+
+
+def _out_dir(path: str | None) -> Path:
+    out = Path(path) if path else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
+    if out.exists() and not out.is_dir():
+        raise KVPolicyError(f"--out {str(out)!r} is an existing file, not a folder: choose another path")
+    return out
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    for flag, value, least in (("--tokens", args.tokens, MIN_TOKENS), ("--prompt-tokens", args.prompt_tokens, MIN_TOKENS),
+                               ("--trials", args.trials, 1), ("--threads", args.threads, 1)):
+        if value < least:
+            raise KVPolicyError(f"{flag} {value}: must be at least {least}")
+
+
+def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
+    """The full baseline once, then every bounded recipe at every budget (unbounded recipes once)."""
+    from .attach import model_shape
+    from .plan import budget_is_bounded
+    from .recipe import with_budget
+
+    layers, heads = model_shape(model)
+    rows = []
+    for label, recipe in recipes:
+        plan = with_budget(recipe, budgets[0][1]).resolve(layers, heads)
+        if not any(budget_is_bounded(head.budget) for layer in plan.layers for head in layer.heads):
+            rows.append(Row(label, None, recipe))
+            continue
+        rows.extend(Row(label, text, with_budget(recipe, budget), budget) for text, budget in budgets)
+    return rows
+
+
+# --- results file -------------------------------------------------------------------------------------
+
+
+def _key(task: str, row: Row, fingerprint: str) -> str:
+    return f"{task}|{row.recipe}|{row.budget or '-'}|{fingerprint}"
+
+
+def _fingerprint(model: str, text_sha: str, task: Task, settings: dict[str, Any], row: Row, shape) -> str:
+    plan = row.spec.resolve(*shape).describe() if hasattr(row.spec, "resolve") else str(row.spec)
+    blob = json.dumps([model, text_sha, task.name, settings, plan], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _load_results(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut short by an interrupted run: its row is recomputed
+    return [row for row in rows if isinstance(row, dict) and "key" in row]
+
+
+def _write_jsonl(path: Path, rows: list[dict[str, Any]], mode: str = "a") -> None:
+    with path.open(mode, encoding="utf-8") as file:
+        for row in rows:
+            file.write(json.dumps(row, default=str) + "\n")
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = list(dict.fromkeys(key for row in rows for key in row))
+    with path.open("w", newline="", encoding="utf-8") as file:
+        writer = csv.DictWriter(file, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()})
+
+
+def _versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    from . import __version__
+
+    return {"kvpolicy": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def _command(args: argparse.Namespace, out: Path) -> str:
+    parts = ["kvpolicy", "compare", "--model", args.model, "--recipes", *args.recipes, "--budgets", *args.budgets,
+             "--tasks", *args.tasks, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+             "--trials", str(args.trials), "--ppl-mode", args.ppl_mode, "--threads", str(args.threads),
+             "--seed", str(args.seed), "--out", str(out)]
+    if args.text_file:
+        parts += ["--text-file", args.text_file]
+    return shlex.join(parts)
+
+
+# --- the sweep ----------------------------------------------------------------------------------------
+
+
+def run_compare(args: argparse.Namespace) -> None:
+    """The ``compare`` command: check the input, load the model once, run the missing rows, report."""
+    tasks = _tasks(args.tasks)
+    budgets = _budgets(args.budgets)
+    recipes = _recipes(args.recipes)
+    _check_sizes(args)
+    text, text_source = _read_text(args.text_file)
+    out = _out_dir(args.out)
+    from rich.console import Console
+
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 132)
+    started = time.perf_counter()
+    with _quiet_torch(args.threads):
+        ctx, rows = _load(args, tasks, recipes, budgets, text, text_source)
+        console.print(f"[bold]kvpolicy compare[/]: model {args.model}, {len(rows)} rows x {len(tasks)} tasks, "
+                      f"text {text_source} ({ctx.text_ids.numel()} tokens), torch threads {args.threads}, out {out}")
+        meta = {"model": args.model, "text": text_source, "text_sha": hashlib.sha256(text.encode()).hexdigest()[:16],
+                "seed": args.seed, "command": _command(args, out), "versions": _versions(), "threads": args.threads}
+        sweep = _sweep(ctx, tasks, rows, out, meta, args.force, console)
+    _write_csv(out / "results.csv", _load_results(out / "results.jsonl"))
+    plots = plot_sweep(sweep, tasks, out / "plots")
+    console.print(table(sweep, rows, tasks, title=f"{args.model}: {text_source}, seed {args.seed}"))
+    console.print(f"results: {out / 'results.jsonl'}, {out / 'results.csv'}; plots: "
+                  f"{', '.join(str(p) for p in plots)}; {time.perf_counter() - started:.0f} s")
+    if args.json:
+        print(json.dumps(sweep, indent=1, default=str))
+
+
+class _quiet_torch:
+    """Fix torch's thread count and silence transformers' loading bars for the sweep; restore both after."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def __enter__(self) -> None:
+        import torch
+        from transformers.utils import logging
+
+        self.saved = (torch.get_num_threads(), logging.get_verbosity(), logging.is_progress_bar_enabled())
+        torch.set_num_threads(self.threads)
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch
+        from transformers.utils import logging
+
+        threads, verbosity, bars = self.saved
+        torch.set_num_threads(threads)
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str) -> tuple[Context, list[Row]]:
+    """Model, tokenized text (checked long enough for the tasks) and the sweep's rows."""
+    import torch
+
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    ctx = Context(model, tokenizer, text_ids, tokens=args.tokens, prompt_tokens=args.prompt_tokens, seed=args.seed,
+                  trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model})
+    needed = max(MIN_TOKENS, *(task.tokens_needed(ctx) for task in tasks))
+    if text_ids.numel() < needed:
+        raise KVPolicyError(
+            f"the text ({text_source}) is too short: {text_ids.numel()} tokens, and the tasks need {needed} "
+            "(--tokens / --prompt-tokens): give a longer --text-file or smaller sizes"
+        )
+    return ctx, _rows(model, recipes, budgets)
+
+
+def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: dict[str, Any], force: bool,
+           console: Any) -> list[dict[str, Any]]:
+    """Run each task on its rows missing from results.jsonl (all with ``force``); return the sweep's results."""
+    from .attach import model_shape
+
+    shape = model_shape(ctx.model)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.jsonl"
+    existing = _load_results(path)
+    keys = {task.name: [_key(task.name, row, _fingerprint(meta["model"], meta["text_sha"], task, task.settings(ctx),
+                                                          row, shape)) for row in rows] for task in tasks}
+    if force:
+        drop = {key for task_keys in keys.values() for key in task_keys}
+        existing = [row for row in existing if row["key"] not in drop]
+        _write_jsonl(path, existing, mode="w")
+    done = {row["key"]: row for row in existing}
+    with _progress(console) as progress:
+        ctx.progress = progress
+        for task in sorted(tasks, key=lambda t: not getattr(t, "run_first", False)):  # stable: else as given
+            todo = [i for i, key in enumerate(keys[task.name]) if key not in done]
+            if not todo:
+                console.print(f"{task.name}: all {len(rows)} rows already in {path}, skipped")
+                continue
+            task_started = time.perf_counter()
+            metrics = task.run(ctx, [rows[i] for i in todo])
+            fresh = [_result(task, rows[i], keys[task.name][i], m, ctx, meta)
+                     for i, m in zip(todo, metrics, strict=True)]
+            _write_jsonl(path, fresh)
+            done.update((row["key"], row) for row in fresh)
+            console.print(f"{task.name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
+                          f"({len(rows) - len(todo)} already done)")
+        ctx.progress = None
+    return [done[key] for task in tasks for key in keys[task.name]]
+
+
+def _progress(console: Any):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TimeRemainingColumn as Remaining
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("ETA"), Remaining())
+    return Progress(*columns, console=console, transient=True)
+
+
+def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Context, meta: dict[str, Any]) -> dict:
+    value = row.value
+    return {
+        "task": task.name, "recipe": row.recipe, "budget": row.budget,
+        "budget_ratio": getattr(value, "ratio", None), "budget_tokens": getattr(value, "tokens", None),
+        **metrics, "settings": task.settings(ctx), **meta, "key": key,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# --- table and plots ----------------------------------------------------------------------------------
+
+
+def _budget_text(row: Row | dict) -> str:
+    budget = row.budget if isinstance(row, Row) else row["budget"]
+    if budget is None:
+        return "all"
+    return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
+
+
+def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title: str = ""):
+    """A rich Table: one line per recipe x budget, the tasks' columns side by side."""
+    from rich.table import Table
+
+    found = {(r["task"], r["recipe"], r["budget"]): r for r in sweep}
+    out = Table(title=title)
+    out.add_column("recipe")
+    out.add_column("budget", justify="right")
+    for task in tasks:
+        for _, header, _ in task.columns:
+            out.add_column(header, justify="right")
+    for row in rows:
+        cells = [row.recipe, _budget_text(row)]
+        for task in tasks:
+            result = found.get((task.name, row.recipe, row.budget), {})
+            cells += [fmt.format(result[m]) if result.get(m) is not None else "-" for m, _, fmt in task.columns]
+        out.add_row(*cells, end_section=row.is_full)
+    return out
+
+
+def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> list[Path]:
+    """One PNG per figure named in the tasks' ``plots``: each metric vs budget, a line per recipe, full as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures: dict[str, list[tuple[str, str, str]]] = {}
+    for task in tasks:
+        for figure, metric, label in task.plots:
+            figures.setdefault(figure, []).append((task.name, metric, label))
+    folder.mkdir(parents=True, exist_ok=True)
+    budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=float)
+    ratios = all("." in b for b in budgets)
+    tokens = all("." not in b for b in budgets)
+    x_of = {b: (float(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
+    paths = []
+    for figure, panels in figures.items():
+        cols = 2 if len(panels) == 4 else min(3, len(panels))
+        grid = -(-len(panels) // cols)
+        fig, axes = plt.subplots(grid, cols, figsize=(4.4 * cols, 3.4 * grid + 0.5), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (task, metric, label) in zip(axes.flat, panels, strict=False):
+            _panel(ax, [r for r in sweep if r["task"] == task and r.get(metric) is not None], metric, x_of)
+            ax.set_title(label, fontsize=10)
+            ax.set_xlabel("budget, % of the prompt (ppl: of the text)" if ratios else "budget, tokens" if tokens else "budget")
+            if not (ratios or tokens):
+                ax.set_xticks(list(x_of.values()), budgets)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.5 / (3.4 * grid + 0.5), 1, 1))
+        path = folder / f"{figure}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+_MARKERS = "os^DvP*X"
+
+
+def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, float]) -> None:
+    """One metric vs budget: a line per recipe (markers shrink so that equal lines stay visible), full dashed."""
+    recipes = list(dict.fromkeys(r["recipe"] for r in results))
+    values = [r[metric] for r in results]
+    drawn = 0
+    for recipe in recipes:
+        mine = [r for r in results if r["recipe"] == recipe]
+        if all(r["budget"] is None for r in mine):
+            ax.axhline(mine[0][metric], color="black", linestyle="--", linewidth=1, label=f"{recipe} (no eviction)")
+            continue
+        points = sorted((x_of[r["budget"]], r[metric]) for r in mine if r["budget"] is not None)
+        ax.plot(*zip(*points, strict=True), marker=_MARKERS[drawn % len(_MARKERS)], markersize=max(3, 8 - 1.5 * drawn),
+                linewidth=max(1.0, 2.2 - 0.4 * drawn), label=recipe, color=f"C{drawn}")
+        drawn += 1
+    if metric.endswith("_ratio"):
+        ax.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="plain transformers")
+    positive = [v for v in values if isinstance(v, (int, float)) and v > 0]
+    if metric == "ppl" and positive and max(positive) / min(positive) > 5:
+        ax.set_yscale("log")
+    elif metric.endswith(("_mib", "_bytes")) or metric in ("accuracy", "greedy_match", "top1", "kl"):
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)

@@ -1,0 +1,186 @@
+"""What every compare task shares: the rows of a sweep, the run context, the task interface, forward helpers.
+
+A task measures every row of a sweep (one recipe at one budget) and returns one dict of
+metrics per row, in the rows' order. Tasks that can, run all rows as rows of one batch
+(`attach_rows`), so the sweep shares forward passes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from ..attach import attach_rows
+from ..plan import Budget
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a sweep: a recipe (``spec``: a Recipe or Plan, budget applied) under a label."""
+
+    recipe: str  # label shown in tables and plots
+    budget: str | None  # canonical budget text ("0.2" = 20%, "512" = tokens); None: the recipe keeps everything
+    spec: Any
+    value: Budget | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.budget is None
+
+    @property
+    def label(self) -> str:
+        return self.recipe if self.budget is None else f"{self.recipe}@{self.budget}"
+
+
+@dataclass
+class Context:
+    """Everything a task may use: the model, the text's token ids, the sweep's sizes, progress bars."""
+
+    model: Any
+    tokenizer: Any
+    text_ids: torch.Tensor  # [T] int64, the whole evaluation text
+    tokens: int = 1024  # evaluation length: perplexity tokens; prompt length for memory and speed
+    prompt_tokens: int = 512  # prompt length for passkey and fidelity
+    seed: int = 0
+    trials: int = 1
+    ppl_mode: str = "token"
+    options: dict[str, Any] = field(default_factory=dict)  # extra settings for plugin tasks
+    memo: dict[Any, Any] = field(default_factory=dict)  # results tasks share within one sweep (see `run_alone`)
+    progress: Any = None  # a rich.progress.Progress, or None for silence
+
+    def track(self, iterable: Iterable, total: int | None = None, description: str = "") -> Iterator:
+        """Iterate with a progress bar (with ETA) when the sweep shows progress."""
+        if self.progress is None:
+            yield from iterable
+            return
+        task = self.progress.add_task(description, total=total if total is not None else len(iterable))
+        try:
+            for item in iterable:
+                yield item
+                self.progress.advance(task)
+        finally:
+            self.progress.remove_task(task)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A compare task. ``columns``: (metric, header, format) for the table; ``plots``: (figure, metric, axis label).
+
+    Optional: ``run_first = True`` runs the task before the others (speed, so that memory
+    can reuse its runs through ``Context.memo``).
+    """
+
+    name: str
+    description: str
+    columns: list[tuple[str, str, str]]
+    plots: list[tuple[str, str, str]]
+
+    def settings(self, ctx: Context) -> dict[str, Any]:
+        """The settings its results depend on (stored with each row; a change reruns the task)."""
+        ...
+
+    def tokens_needed(self, ctx: Context) -> int:
+        """How many tokens of the evaluation text it reads (0 for synthetic prompts)."""
+        ...
+
+    def run(self, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+        """One dict of metrics per row, in the rows' order."""
+        ...
+
+
+# --- forward helpers ---------------------------------------------------------------------------------
+
+
+def cache_keyword(model: Any) -> str:
+    """``cache`` in transformers versions that renamed ``past_key_values``, else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def forward(model: Any, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+    """``model(ids)`` continuing ``cache`` (a PolicyCache or DynamicCache)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        return model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **kwargs)
+
+
+def batched_session(model: Any, rows: list[Row]):
+    """One kvpolicy session where batch row i follows ``rows[i]``."""
+    return attach_rows(model, [row.spec for row in rows])
+
+
+def text_segments(ctx: Context, length: int, count: int) -> list[torch.Tensor]:
+    """``count`` seeded, evenly spread segments of ``length`` tokens from the evaluation text."""
+    total = ctx.text_ids.numel()
+    span = max(0, total - length)
+    generator = torch.Generator().manual_seed(ctx.seed)
+    jitter = torch.randint(0, max(1, span // max(count, 1) // 4 + 1), (count,), generator=generator)
+    starts = [min(span, i * span // max(count, 1) + int(jitter[i])) for i in range(count)]
+    return [ctx.text_ids[start : start + length] for start in starts]
+
+
+def kept_tokens(cache: Any, row: int) -> float:
+    """Mean tokens kept per (layer, KV head) for batch row ``row`` of a PolicyCache."""
+    counts = [layer.valid[row].sum(dim=-1).float().mean() for layer in cache.layers if layer.is_initialized]
+    return float(torch.stack(counts).mean()) if counts else 0.0
+
+
+ALONE_DECODE_STEPS = 16
+
+
+def alone_key(row: Row | None, ids: torch.Tensor) -> tuple:
+    """Memo key of a `run_alone` run of ``row`` (None: plain transformers) on ``ids``, for tasks to share."""
+    return ("alone", row.label if row is not None else "plain", ids.numel(), ALONE_DECODE_STEPS)
+
+
+def run_alone(model: Any, spec: Any, ids: torch.Tensor, steps: int = ALONE_DECODE_STEPS) -> dict[str, Any]:
+    """Prefill ``ids`` then decode ``steps`` greedy tokens, batch of one, timed.
+
+    ``spec`` is a recipe (a kvpolicy session with its PolicyCache) or None for plain
+    transformers: SDPA attention and a DynamicCache. Returns the seconds of prefill and of
+    decoding, and the cache (PolicyCache reports memory) after each phase.
+    """
+    from transformers import DynamicCache
+
+    from ..attach import attach
+
+    session = attach(model, spec) if spec is not None else None
+    previous = model.config._attn_implementation
+    if session is None and previous != "sdpa":
+        model.set_attn_implementation("sdpa")
+    try:
+        cache = session.new_cache() if session is not None else DynamicCache(config=model.config)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            token = forward(model, ids[None], cache).logits[:, -1].argmax(dim=-1, keepdim=True)
+            prefill = time.perf_counter() - started
+            after_prefill = memory_of(cache)
+            started = time.perf_counter()
+            for _ in range(steps):
+                token = forward(model, token, cache).logits[:, -1].argmax(dim=-1, keepdim=True)
+            decode = time.perf_counter() - started
+        return {"prefill_s": prefill, "decode_s": decode, "prefill_memory": after_prefill, "end_memory": memory_of(cache)}
+    finally:
+        if session is not None:
+            session.detach()
+        elif previous != "sdpa":
+            model.set_attn_implementation(previous)
+
+
+def memory_of(cache: Any) -> dict[str, int]:
+    """Live and allocated KV bytes of a PolicyCache, or of a DynamicCache (where both are its tensors' bytes)."""
+    if hasattr(cache, "memory_report"):
+        report = cache.memory_report()
+        return {"live": report.live_kv_bytes, "allocated": report.allocated_kv_bytes, "metadata": report.metadata_bytes}
+    size = sum(
+        t.untyped_storage().nbytes()
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    )
+    return {"live": size, "allocated": size, "metadata": 0}

@@ -1,0 +1,60 @@
+"""KV memory of each row alone: live and allocated bytes after the prefill and after decoding, and the process peak.
+
+Each row runs by itself (batch of one, so its storage is its own): the first ``--tokens``
+tokens of the text as the prompt, then 16 greedy tokens. When the speed task runs in the
+same sweep (it runs first), its first run of each row is reused here. ``live`` counts the
+tokens kept; ``allocated`` is the storage really held (the budget plus the slots kept free
+for the next token). ``peak_rss`` is the process's peak resident memory so far
+(``getrusage``): a high-water mark over the whole sweep, not a per-row figure.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Any
+
+from .base import ALONE_DECODE_STEPS, Context, Row, alone_key, run_alone
+
+MIB = 1024 * 1024
+
+
+def peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+class Memory:
+    name = "memory"
+    description = "live and allocated KV bytes after prefill and decoding, process peak RSS"
+    columns = [("kv_live_mib", "KV MiB", "{:.1f}"), ("kv_allocated_mib", "alloc MiB", "{:.1f}")]
+    plots = [
+        ("memory", "kv_live_mib", "live KV after decoding, MiB"),
+        ("memory", "kv_allocated_mib", "allocated KV after decoding, MiB"),
+    ]
+
+    def settings(self, ctx: Context) -> dict[str, Any]:
+        return {"tokens": ctx.tokens, "decode_steps": ALONE_DECODE_STEPS}
+
+    def tokens_needed(self, ctx: Context) -> int:
+        return ctx.tokens
+
+    def run(self, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+        prompt = ctx.text_ids[: ctx.tokens]
+        results = []
+        for row in ctx.track(rows, len(rows), "memory (one row at a time)"):
+            run = ctx.memo.get(alone_key(row, prompt)) or run_alone(ctx.model, row.spec, prompt)
+            prefill, end = run["prefill_memory"], run["end_memory"]
+            results.append({
+                "kv_live_prefill_bytes": prefill["live"],
+                "kv_allocated_prefill_bytes": prefill["allocated"],
+                "kv_live_bytes": end["live"],
+                "kv_allocated_bytes": end["allocated"],
+                "policy_state_bytes": end["metadata"],
+                "kv_live_mib": end["live"] / MIB,
+                "kv_allocated_mib": end["allocated"] / MIB,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "prompt_tokens": prompt.numel(),
+                "decode_steps": ALONE_DECODE_STEPS,
+            })
+        return results
