@@ -67,6 +67,7 @@ class PolicyLayer(CacheLayerMixin):
         self.packed_tokens: int | None = 0
         self.past_packed = True
         self.uniform_limit: int | None = None  # one budget for every cell, once resolved
+        self.appended_pads = False
         self.prompt_tokens = prompt_tokens
         self.budget: torch.Tensor | None = None  # [B, Hkv], resolved at the first forward
         self.seen = 0  # slots' worth of tokens seen, pads included (what `generate` counts)
@@ -147,6 +148,7 @@ class PolicyLayer(CacheLayerMixin):
             self.packed_tokens += count
         else:
             self.packed_tokens = None
+        self.appended_pads = query_valid is not None
         new_real = count if query_valid is None else query_valid.sum(dim=1)
         self.real_seen = self.real_seen + new_real
         if self.budget is None:
@@ -227,7 +229,8 @@ class PolicyLayer(CacheLayerMixin):
         unbounded = ~self.bounded_cells.to(self.device)
         limit = torch.where(unbounded, count, self.budget)
         packed = int(count.min()) == self.used  # every head's tokens fill slots [0, used)
-        if packed and int((count - limit).max()) <= self.slack:
+        # gaps left by rows that keep fewer tokens are harmless (masked); pads just appended are not kept
+        if not self.appended_pads and int((count - limit).max()) <= self.slack:
             return
         scores = self._scores()
         keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))

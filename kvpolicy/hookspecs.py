@@ -21,5 +21,10 @@ def kvpolicy_register_policies() -> list[type]:
 
 
 @hookspec
+def kvpolicy_register_tasks() -> list:
+    """Return evaluation task objects for ``kvpolicy compare`` (see `kvpolicy.tasks.Task`)."""
+
+
+@hookspec
 def kvpolicy_register_model_aliases() -> dict[str, str]:
     """Return model aliases: short name -> local folder or loader spec."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +32,7 @@ class Budget:
         if self.tokens is not None:
             text = f"{self.tokens} tokens"
         elif self.ratio is not None:
-            text = f"{self.ratio:g} of prompt"
+            text = f"{self.ratio:.3g} of prompt"
         else:
             text = "unbounded"
         return text + (f" (+{self.slack} slack)" if self.slack else "")
@@ -84,13 +83,8 @@ class Plan:
     def describe(self) -> str:
         """One line per run of identical layers, one entry per run of identical heads."""
         lines = [f"recipe {self.name} ({self.source}); backend={self.backend}"]
-        rows = [_layer_text(layer) for layer in self.layers]
-        start = 0
-        for index in range(1, len(rows) + 1):
-            if index == len(rows) or rows[index] != rows[start]:
-                span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
-                lines.append(f"  layers {span}: {rows[start]}")
-                start = index
+        lines += [f"  {note}" for note in self.extra.get("notes", [])]  # e.g. how a budget schedule spreads
+        lines += [f"  layers {span}: {text}" for span, text in _runs([_layer_text(layer) for layer in self.layers])]
         return "\n".join(lines)
 
 
@@ -99,20 +93,20 @@ def _params_text(params: Any) -> str:
     return ", ".join(f"{name}={getattr(params, name)!r}" for name in fields)
 
 
-def _layer_text(layer: LayerPlan) -> str:
-    texts = [head.describe() for head in layer.heads]
-    parts, start = [], 0
+def _runs(texts: list[str]) -> list[tuple[str, str]]:
+    """(index span, text) for each run of identical consecutive texts: ("0-1", a), ("2", b)."""
+    runs, start = [], 0
     for index in range(1, len(texts) + 1):
         if index == len(texts) or texts[index] != texts[start]:
-            span = f"{start}" if index - 1 == start else f"{start}-{index - 1}"
-            parts.append(f"heads {span}: {texts[start]}")
+            runs.append((f"{start}" if index - 1 == start else f"{start}-{index - 1}", texts[start]))
             start = index
-    return "; ".join(parts)
+    return runs
+
+
+def _layer_text(layer: LayerPlan) -> str:
+    return "; ".join(f"heads {span}: {text}" for span, text in _runs([head.describe() for head in layer.heads]))
 
 
 def budget_is_bounded(budget: Budget) -> bool:
     return budget.tokens is not None or budget.ratio is not None
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf

@@ -24,7 +24,8 @@ SCHEMA_VERSION = 1
 BACKENDS = ("auto", "torch", "triton")
 TOP_KEYS = ("kvpolicy", "name", "description", "budget", "policy", "params", "backend", "layers", "heads")
 RULE_KEYS = {"layers": ("layers", "policy", "params", "budget"), "heads": ("layers", "heads", "policy", "params", "budget")}
-BUDGET_KEYS = ("ratio", "tokens", "slack")
+BUDGET_KEYS = ("ratio", "tokens", "slack", "schedule", "beta", "per_layer")
+SCHEDULES = ("uniform", "pyramid", "funnel")
 _DIRS = (Path(__file__).parent / "recipes_builtin", Path(__file__).parent.parent / "recipes")
 
 
@@ -117,10 +118,116 @@ def _build_params(cls: Any, raw: Any, base: Any, path: str, file: str, line: int
     return params
 
 
-def _budget(raw: Any, path: str, file: str, line: int | None) -> tuple[Budget, bool]:
-    """(Budget, whether slack was given)."""
+@dataclass(frozen=True)
+class Schedule:
+    """How a budget is spread over the layers that use it; the mean over those layers is the budget.
+
+    ``pyramid`` (PyramidKV, Cai et al. 2024): falls linearly with depth, from 2b - b/beta at
+    the lowest layer to b/beta at the top. ``funnel``: the mirror, rising with depth (as
+    Scissorhands suggests: later layers need more). ``per_layer``: one multiplier per layer,
+    averaging to 1. Token budgets are rounded so that their sum is exact; ratio budgets are
+    scaled (each layer then rounds its own count up, so the mean may exceed b by < 1 token).
+    """
+
+    kind: str = "uniform"
+    beta: float = 20.0
+    per_layer: tuple[float, ...] | None = None
+    path: str = "budget"
+    line: int | None = None
+
+    def multipliers(self, count: int, file: str) -> list[float]:
+        if self.per_layer is not None:
+            if len(self.per_layer) != count:
+                raise _error(file, self.line, f"{self.path}.per_layer",
+                             f"{len(self.per_layer)} multipliers for {count} layers that use this budget",
+                             "Give one multiplier per such layer, in depth order")
+            return list(self.per_layer)
+        if self.kind == "uniform" or count == 1:
+            return [1.0] * count
+        top, bottom = 1.0 / self.beta, 2.0 - 1.0 / self.beta
+        falling = [bottom - (bottom - top) * index / (count - 1) for index in range(count)]
+        return falling if self.kind == "pyramid" else falling[::-1]
+
+    def describe(self) -> str:
+        if self.per_layer is not None:
+            return "per_layer multipliers"
+        return self.kind if self.kind == "uniform" else f"{self.kind} (beta={self.beta:g})"
+
+
+def _scaled(budget: Budget, multipliers: list[float]) -> list[Budget]:
+    """``budget`` times each multiplier; token counts by largest remainder (ties: the lower layer), summing exactly."""
+    if budget.tokens is None:
+        return [dataclasses.replace(budget, ratio=budget.ratio * m) for m in multipliers]
+    exact = [budget.tokens * m for m in multipliers]
+    tokens = [int(x) for x in exact]
+    for index in sorted(range(len(exact)), key=lambda i: round(tokens[i] - exact[i], 9))[: round(sum(exact)) - sum(tokens)]:
+        tokens[index] += 1
+    for index in range(len(tokens)):
+        while tokens[index] < 1:  # keep at least one token: take it from the largest layer
+            tokens[index] += 1
+            tokens[max(range(len(tokens)), key=tokens.__getitem__)] -= 1
+    return [dataclasses.replace(budget, tokens=t) for t in tokens]
+
+
+def _spans(indices: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _amount(budget: Budget) -> float:
+    return budget.tokens if budget.tokens is not None else budget.ratio
+
+
+def _schedule(raw: Any, path: str, file: str) -> Schedule | None:
+    if not any(k in raw for k in ("schedule", "beta", "per_layer")):
+        return None
+    kind, line = raw.get("schedule", "uniform"), _line(raw)
+    if kind not in SCHEDULES:
+        raise _error(file, _line(raw, "schedule"), f"{path}.schedule", f"unknown schedule {kind!r}"
+                     f"{did_you_mean(str(kind), SCHEDULES)}", f"Use one of: {', '.join(SCHEDULES)}, or per_layer: [...]")
+    beta = raw.get("beta", 20.0)
+    if "beta" in raw and kind not in ("pyramid", "funnel"):
+        raise _error(file, _line(raw, "beta"), f"{path}.beta", f"beta only applies to schedule pyramid or funnel, "
+                     f"not {kind}", "E.g. budget: {ratio: 0.2, schedule: pyramid, beta: 20}")
+    if not (_type_ok(beta, float) and beta >= 1):
+        raise _error(file, _line(raw, "beta"), f"{path}.beta", f"must be a number >= 1, got {beta!r}",
+                     "The top layer gets budget/beta and the bottom one 2*budget - budget/beta (PyramidKV: 20)")
+    per_layer = raw.get("per_layer")
+    if per_layer is not None:
+        where = (file, _line(raw, "per_layer"), f"{path}.per_layer")
+        if kind != "uniform":
+            raise _error(*where, f"per_layer and schedule: {kind} exclude each other", "Give one of them")
+        if not (isinstance(per_layer, list) and per_layer and all(_type_ok(m, float) and m > 0 for m in per_layer)):
+            raise _error(*where, f"expected a list of positive multipliers, got {per_layer!r}",
+                         "E.g. per_layer: [1.5, 1.0, 0.5]: layer budgets as multiples of the budget, averaging 1")
+        average = sum(per_layer) / len(per_layer)
+        if abs(average - 1.0) > 1e-6:
+            raise _error(*where, f"the multipliers average {average:.6g}, not 1",
+                         "They scale the budget per layer, so the mean layer budget stays the recipe's budget")
+        per_layer = tuple(float(m) for m in per_layer)
+    return Schedule(kind, float(beta), per_layer, path, line)
+
+
+def _budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False) -> tuple[Budget, bool, Schedule | None]:
+    """(Budget, whether slack was given, schedule).
+
+    A rule's budget may give only a schedule: its Budget then has neither ratio nor tokens,
+    and the rule's layers share the top-level amount.
+    """
     _check_keys(raw, BUDGET_KEYS, f"{path}.", file, line)
+    schedule = _schedule(raw, path, file)
     given = [k for k in ("ratio", "tokens") if k in raw]
+    if rule and not given and schedule is not None:
+        slack = raw.get("slack", 0)
+        if not (_type_ok(slack, int) and slack >= 0):
+            raise _error(file, _line(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+        return Budget(slack=slack), "slack" in raw, schedule
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
         raise _error(file, _line(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
@@ -132,7 +239,7 @@ def _budget(raw: Any, path: str, file: str, line: int | None) -> tuple[Budget, b
         raise _error(file, _line(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {tokens!r}")
     if not (_type_ok(slack, int) and slack >= 0):
         raise _error(file, _line(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
-    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw
+    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw, schedule
 
 
 @dataclass(frozen=True)
@@ -185,7 +292,7 @@ class _Rule:
     policy: Any  # policy class, or None to keep the current one
     params: Any  # raw params mapping or None
     fresh: Any  # params for a cell switching to `policy`
-    budget: tuple[Budget, bool] | None
+    budget: tuple[Budget, bool, Schedule | None] | None
 
 
 @dataclass(frozen=True)
@@ -197,21 +304,47 @@ class Recipe:
     source: str
     budget: Budget
     backend: str = "auto"
+    schedule: Schedule | None = None  # how the top-level budget is spread over layers
     _file: str = field(default="<dict>", repr=False)
     _default: tuple[Any, Any, int | None] = field(default=None, repr=False)  # (policy class, params, line)
     _rules: tuple[_Rule, ...] = field(default=(), repr=False)
 
     def resolve(self, num_layers: int, num_kv_heads: int) -> Plan:
         cls, params, line = self._default
-        grid = [[(cls, params, None, line)] * num_kv_heads for _ in range(num_layers)]
+        # a cell: (policy class, params, (amount or None for the top-level budget, schedule, owner), line)
+        grid = [[(cls, params, (None, self.schedule, "budget"), line)] * num_kv_heads for _ in range(num_layers)]
         for rule in self._rules:  # layer rules come first, so head rules win over them
             for layer in rule.layers.indices(num_layers, "layer", self._file, rule.line, f"{rule.path}.layers"):
                 heads = range(num_kv_heads) if rule.heads is None else rule.heads.indices(
                     num_kv_heads, "KV head", self._file, rule.line, f"{rule.path}.heads")
                 for head in heads:
                     grid[layer][head] = self._apply(rule, grid[layer][head])
+        notes = self._schedule_budgets(grid)
         return Plan(name=self.name, layers=[LayerPlan([self._head(c) for c in row]) for row in grid],
-                    backend=self.backend, source=self.source, description=self.description)
+                    backend=self.backend, source=self.source, description=self.description, extra={"notes": notes})
+
+    def _schedule_budgets(self, grid: list[list[tuple]]) -> list[str]:
+        """Replace each scheduled budget by its per-layer share, over the layers whose bounded heads use it."""
+        owners: dict[str, tuple[Schedule, list[int]]] = {}
+        for index, row in enumerate(grid):
+            for cls, _, (_, schedule, owner), _ in row:
+                if schedule is not None and cls.bounded:
+                    layers = owners.setdefault(owner, (schedule, []))[1]
+                    if not layers or layers[-1] != index:
+                        layers.append(index)
+        notes = []
+        for owner, (schedule, layers) in owners.items():
+            amount = next(b for cls, _, (b, _, o), _ in grid[layers[0]] if o == owner and cls.bounded) or self.budget
+            if amount.tokens is None and amount.ratio is None:
+                continue  # no amount to spread: `_head` reports the missing budget
+            shares = dict(zip(layers, _scaled(amount, schedule.multipliers(len(layers), self._file)), strict=True))
+            for index in layers:
+                grid[index] = [(c, p, (shares[index], None, o), ln) if o == owner else (c, p, (b, s, o), ln)
+                               for c, p, (b, s, o), ln in grid[index]]
+            low, high = min(shares.values(), key=_amount), max(shares.values(), key=_amount)
+            notes.append(f"{owner}: {schedule.describe()} over layers {_spans(layers)}: "
+                         f"{low.describe()} to {high.describe()}, mean {amount.describe()}")
+        return notes
 
     def _apply(self, rule: _Rule, cell: tuple) -> tuple:
         cls, params, budget, _ = cell
@@ -220,12 +353,16 @@ class Recipe:
         elif rule.params is not None:
             params = _build_params(cls, rule.params, params, f"{rule.path}.params", self._file, _line(rule.params))
         if rule.budget is not None:
-            budget, slack_given = rule.budget
-            budget = budget if slack_given else dataclasses.replace(budget, slack=self.budget.slack)
+            amount, slack_given, schedule = rule.budget
+            if amount.tokens is None and amount.ratio is None:  # only a schedule: the top-level amount
+                amount = dataclasses.replace(self.budget, slack=amount.slack if slack_given else self.budget.slack)
+            elif not slack_given:
+                amount = dataclasses.replace(amount, slack=self.budget.slack)
+            budget = (amount, schedule, f"{rule.path}.budget" if schedule is not None else None)
         return cls, params, budget, rule.line
 
     def _head(self, cell: tuple) -> HeadPlan:
-        cls, params, budget, line = cell
+        cls, params, (budget, _, _), line = cell
         budget = budget or self.budget
         if not cls.bounded:
             budget = UNBOUNDED
@@ -300,7 +437,8 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
 
     cls = policy(data.get("policy", "full"), "policy", _line(data, "policy"))
     params = _build_params(cls, data.get("params") or {}, None, "params", file, _line(data, "params"))
-    budget = _budget(data["budget"], "budget", file, _line(data, "budget"))[0] if "budget" in data else UNBOUNDED
+    budget, _, schedule = _budget(data["budget"], "budget", file, _line(data, "budget")) if "budget" in data else (
+        UNBOUNDED, False, None)
     rules = []
     for kind in ("layers", "heads"):
         raw_rules = data.get(kind) or []
@@ -322,9 +460,9 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
                 _selector(raw.get("layers", "all"), f"{path}.layers", file, _line(raw, "layers")),
                 _selector(raw["heads"], f"{path}.heads", file, _line(raw, "heads")) if kind == "heads" else None,
                 rule_cls, raw.get("params"), fresh,
-                _budget(raw["budget"], f"{path}.budget", file, _line(raw, "budget")) if "budget" in raw else None))
+                _budget(raw["budget"], f"{path}.budget", file, _line(raw, "budget"), rule=True) if "budget" in raw else None))
     return Recipe(name=data.get("name", stem), description=data.get("description", ""), source=label,
-                  budget=budget, backend=backend, _file=file, _default=(cls, params, _line(data, "policy")),
+                  budget=budget, backend=backend, schedule=schedule, _file=file, _default=(cls, params, _line(data, "policy")),
                   _rules=tuple(rules))
 
 

@@ -129,3 +129,17 @@ def test_rows_with_different_recipes_match_each_recipe_alone():
     for row, expected in enumerate(alone):
         torch.testing.assert_close(logits[row : row + 1], expected, atol=1e-4, rtol=1e-4)
     assert [int(n) for n in session.last_cache.layers[0].valid.sum(dim=2)[:, 0]] == [21, 5, 7, 4]
+
+
+def test_slack_amortizes_compaction_in_a_ragged_batch():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=LENGTHS)
+    session = attach(model, uniform_plan(model, "h2o", Budget(ratio=0.5, slack=2)))
+    recorder = StepRecorder(lambda: (session.last_cache.layers[0].evictions, per_head_counts(session.last_cache)[0]))
+    greedy(model, ids, mask, 7, recorder=recorder, cache=session.new_cache())
+    session.detach()
+    budgets = torch.tensor([math.ceil(n * 0.5) for n in LENGTHS])
+    evictions = [step[0] for step in recorder.steps]
+    assert evictions == [1, 1, 1, 2, 2, 2, 3]  # after the prompt, then once every slack + 1 steps
+    for step, (_, counts) in enumerate(recorder.steps):
+        assert torch.equal(counts[:, 0], budgets + (step % 3)), step

@@ -5,10 +5,14 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from .full import Full
 from .h2o import H2O
+from .roco import RoCo
+from .scissorhands import Scissorhands
+from .snapkv import SnapKV
 from .streaming import Streaming
+from .tova import TOVA
 from .window import Window
 
 
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
-    return [Full, Window, Streaming, H2O]
+    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV]

@@ -1,0 +1,192 @@
+"""Deliberately naive references for Scissorhands, RoCo, TOVA and SnapKV (brute force, explicit attention).
+
+Like `h2o_reference.py`: every K/V stays in a DynamicCache, eviction is simulated with
+Python sets of (padded) indices, attention is computed one query head and one key at a
+time, and each policy's rule is applied by hand to Python floats after every attention
+call (the prefill, then each decode step). Nothing is shared with kvpolicy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+
+class BruteForce:
+    """Explicit attention over the kept tokens; ``rule`` decides what stays after each call."""
+
+    name = "bruteforce"
+
+    def __init__(self, budget: int, slack: int = 0):
+        self.budget, self.slack = budget, slack
+        self.kept: dict[tuple[int, int, int], set[int]] = {}  # (layer, row, kv head) -> padded indices
+        self.data: dict[tuple[int, int, int], dict] = {}  # per (layer, row, kv head): the rule's own bookkeeping
+        self.current: dict[int, list[list[list[int]]]] = {}  # layer -> [row][head] kept real positions
+
+    def register(self) -> None:
+        AttentionInterface.register(self.name, self.attention)
+        AttentionMaskInterface.register(self.name, lambda *a, attention_mask=None, **k: attention_mask)
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer = module.layer_idx
+        batch, q_heads, queries, dim = query.shape
+        kv_heads, total = key.shape[1], key.shape[2]
+        group = q_heads // kv_heads
+        scaling = scaling or dim**-0.5
+        real = torch.ones(batch, total, dtype=torch.bool) if attention_mask is None else attention_mask.bool()[:, -total:]
+        self.position = (torch.cumsum(real.long(), dim=1) - 1).tolist()
+        out = torch.zeros(batch, queries, q_heads, dim)
+        first_new = total - queries
+        for b in range(batch):
+            self.seen = int(real[b].sum())
+            calls = {}
+            for h in range(kv_heads):
+                kept = self.kept.setdefault((layer, b, h), set())
+                new = [j for j in range(first_new, total) if real[b, j]]
+                kept.update(new)
+                rows = []  # per real query: (index, visible keys, [per query head: {key: probability}])
+                for i in range(first_new, total):
+                    if not real[b, i]:
+                        continue
+                    cols = sorted(j for j in kept if j <= i)
+                    heads = []
+                    for g in range(group):
+                        qh = h * group + g
+                        logits = [float(query[b, qh, i - first_new] @ key[b, h, j]) * scaling for j in cols]
+                        top = max(logits)
+                        weights = [math.exp(x - top) for x in logits]
+                        probs = [w / sum(weights) for w in weights]
+                        out[b, i - first_new, qh] = sum(p * value[b, h, j] for p, j in zip(probs, cols, strict=True))
+                        heads.append(dict(zip(cols, probs, strict=True)))
+                    rows.append((i, cols, heads))
+                calls[h] = (new, rows)
+            self.rule(layer, b, calls)
+        self.current[layer] = [
+            [sorted(self.position[b][j] for j in self.kept[(layer, b, h)]) for h in range(kv_heads)]
+            for b in range(batch)
+        ]
+        return out.to(query.dtype), None
+
+    def rule(self, layer: int, b: int, calls: dict[int, tuple[list[int], list]]) -> None:
+        raise NotImplementedError
+
+    def keep_best(self, layer: int, b: int, h: int, key) -> None:
+        """Keep the ``budget`` tokens with the largest ``key(j)`` once the head holds more than budget + slack."""
+        kept = self.kept[(layer, b, h)]
+        if len(kept) > self.budget + self.slack:
+            kept.intersection_update(sorted(kept, key=key, reverse=True)[: self.budget])
+
+    def age(self, j: int, b: int) -> int:
+        """1 for the newest real token of row b."""
+        return self.seen - self.position[b][j]
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+class BruteForceTOVA(BruteForce):
+    """Oren et al.: the last query's attention, averaged over every query head of the layer."""
+
+    name = "tova_bruteforce"
+
+    def rule(self, layer, b, calls):
+        kept = self.kept[(layer, b, 0)]
+        assert all(self.kept[(layer, b, h)] == kept for h in calls)  # one layer-wide selection
+        last = {h: rows[-1][2] for h, (_, rows) in calls.items()}  # the call's last query, per KV head
+        score = {j: mean(mean(head.get(j, 0.0) for head in last[h]) for h in calls) for j in kept}
+        for h in calls:
+            self.keep_best(layer, b, h, key=lambda j: score[j])
+
+
+class BruteForceSnapKV(BruteForce):
+    """Li et al.: pooled attention of the prompt's last `window` queries; window and generated tokens kept."""
+
+    name = "snapkv_bruteforce"
+
+    def __init__(self, budget, window, kernel, pooling="avg", decode="keep"):
+        super().__init__(budget)
+        self.window, self.kernel, self.pooling, self.decode = window, kernel, pooling, decode
+
+    def rule(self, layer, b, calls):
+        for h, (new, rows) in calls.items():
+            data = self.data.setdefault((layer, b, h), {"obs": {}, "prompt": set()})
+            kept = self.kept[(layer, b, h)]
+            if len(rows) > self.window:  # a prompt: score everything by the observation window
+                observers = rows[-self.window :]
+                data["obs"] = {j: sum(mean(head.get(j, 0.0) for head in heads) for _, _, heads in observers) for j in kept}
+                data["prompt"] = set(kept) - set(new[-self.window :])
+            elif self.decode == "evict_oldest":
+                data["prompt"] = set()
+            prompt = sorted(j for j in kept if j in data["prompt"])  # in position order
+            obs = [data["obs"][j] for j in prompt]
+            pad = self.kernel // 2
+            padded = [0.0] * pad + obs + [0.0] * pad
+            windows = [padded[k : k + self.kernel] for k in range(len(obs))]
+            pooled = [sum(w) / self.kernel if self.pooling == "avg" else max(w) for w in windows]
+            score = dict(zip(prompt, pooled, strict=True))
+            # prompt tokens by pooled score (ties: the older goes), below every window/generated token (by recency)
+            self.keep_best(layer, b, h, key=lambda j: (0, score[j], j) if j in score else (1, 0.0, j))
+
+
+class BruteForceScissorhands(BruteForce):
+    """Liu et al.: decayed count of below-uniform attention over a history window w; r recent kept."""
+
+    name = "scissorhands_bruteforce"
+
+    def __init__(self, budget, slack, history_window, recent):
+        super().__init__(budget, slack)
+        self.w, self.recent = history_window, recent
+
+    def rule(self, layer, b, calls):
+        for h, (_new, rows) in calls.items():
+            count = self.data.setdefault((layer, b, h), {})
+            kept = self.kept[(layer, b, h)]
+            decay = (1 - 1 / self.w) ** len(rows)
+            for j in kept:
+                count[j] = count.get(j, 0.0) * decay
+            if len(rows) > self.w:  # a prompt: its last w queries, on the group's mean row
+                for _, cols, heads in rows[-self.w :]:
+                    for j in cols:
+                        count[j] += mean(head[j] for head in heads) < 1 / len(cols)
+            else:  # each query head's own row, averaged over the group
+                for _, cols, heads in rows:
+                    for j in cols:
+                        count[j] += mean(head[j] < 1 / len(cols) for head in heads)
+            recent = min(self.recent, self.budget)
+            self.keep_best(layer, b, h, key=lambda j: (self.age(j, b) <= recent, -count[j], j))
+
+
+class BruteForceRoCo(BruteForce):
+    """Ren & Zhu: temporal mean and std of attention; evict the lowest mean among the most stable tokens."""
+
+    name = "roco_bruteforce"
+
+    def __init__(self, budget, recent_ratio, sink_length, recent_tokens):
+        super().__init__(budget)
+        self.recent_ratio, self.sinks, self.recent_tokens = recent_ratio, sink_length, recent_tokens
+
+    def rule(self, layer, b, calls):
+        for h, (_new, rows) in calls.items():
+            data = self.data.setdefault((layer, b, h), {})
+            kept = self.kept[(layer, b, h)]
+            for _, cols, heads in rows:
+                for j in cols:
+                    s, q, c = data.get(j, (0.0, 0.0, 0))
+                    data[j] = (s + mean(head[j] for head in heads), q + mean(head[j] ** 2 for head in heads), c + 1)
+            if len(kept) <= self.budget:
+                continue
+            mu = {j: data[j][0] / data[j][2] for j in kept}
+            sigma = {j: math.sqrt(max(data[j][1] / data[j][2] - mu[j] ** 2, 0.0)) for j in kept}
+            for j in kept:
+                if self.position[b][j] < self.sinks or self.age(j, b) <= self.recent_tokens:
+                    sigma[j] = math.inf
+            protected = min(self.sinks + math.floor(self.budget * self.recent_ratio), self.budget)
+            stable_first = sorted(kept, key=lambda j: (sigma[j], j))
+            scope = stable_first[: len(kept) - protected]
+            evict = sorted(scope, key=lambda j: (mu[j], j))[: len(kept) - self.budget]
+            kept.difference_update(evict)

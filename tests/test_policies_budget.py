@@ -1,0 +1,167 @@
+"""Scissorhands, RoCo, TOVA and SnapKV on the cache: budgets held, parity with a large budget, what they keep."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import StepRecorder, greedy, uniform_plan
+from tiny_models import ARCHS, padded_batch, tiny_model
+
+from kvpolicy.attach import attach
+from kvpolicy.plan import Budget
+from kvpolicy.policies.base import AttentionStats, TokenView
+from kvpolicy.registry import get_registry
+
+LENGTHS = (17, 11, 6)
+POLICIES = [
+    ("tova", {}),
+    ("snapkv", {"window": 4, "kernel": 3}),
+    ("snapkv", {"window": 4, "pooling": "max", "decode": "evict_oldest"}),
+    ("scissorhands", {"history_window": 8, "recent": 2}),
+    ("roco", {"sink_length": 1, "recent_tokens": 2, "recent_ratio": 0.3}),
+]
+
+
+def per_head_counts(cache) -> list[torch.Tensor]:
+    return [layer.valid.sum(dim=2).clone() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("budget", [Budget(tokens=5), Budget(ratio=0.5)])
+@pytest.mark.parametrize("policy,params", POLICIES)
+def test_budget_held_after_prefill_and_every_step(policy, params, budget, arch):
+    model = tiny_model(arch)
+    ids, mask = padded_batch(lengths=LENGTHS)
+    session = attach(model, uniform_plan(model, policy, budget, **params))
+    recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
+    greedy(model, ids, mask, 10, recorder=recorder, cache=session.new_cache())
+    session.detach()
+    expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
+    assert len(recorder.steps) == 10
+    for step, counts in enumerate(recorder.steps):
+        for layer_counts in counts:
+            assert torch.equal(layer_counts, expected[:, None].expand_as(layer_counts)), f"step {step}"
+
+
+def test_scissorhands_drops_many_tokens_at_once():
+    """Budget 5 + slack 3: the paper's cache of B = 8 tokens that drops m = 3 (+ the new one) at once."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17,))
+    session = attach(model, uniform_plan(model, "scissorhands", Budget(tokens=5, slack=3), history_window=8, recent=2))
+    recorder = StepRecorder(lambda: session.last_cache.layers[0].memory()["tokens_max"])
+    greedy(model, ids, mask, 9, recorder=recorder, cache=session.new_cache())
+    session.detach()
+    assert recorder.steps == [5, 6, 7, 8, 5, 6, 7, 8, 5]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_large_budget_equals_transformers(arch):
+    model = tiny_model(arch)
+    ids, mask = padded_batch()
+    ref_tokens, ref_logits = greedy(model, ids, mask, 12)
+    for policy, params in POLICIES:
+        session = attach(model, uniform_plan(model, policy, Budget(tokens=1000), **params))
+        try:
+            tokens, logits = greedy(session.model, ids, mask, 12, cache=session.new_cache())
+        finally:
+            session.detach()
+        assert torch.equal(tokens, ref_tokens), policy
+        torch.testing.assert_close(logits, ref_logits, atol=2e-4, rtol=1e-4, msg=policy)
+
+
+NEEDLE, NEEDLE_AT, PROMPT = 7, 10, 40
+
+
+def needle_model():
+    """A tiny llama whose layer-0 queries all attend to one token id (NEEDLE) wherever it is.
+
+    Every embedding gets a shared coordinate (0) that the queries read, and NEEDLE alone a
+    large coordinate 1 that the keys read; both land in RoPE's slowest-rotating dimension
+    (7 of 16), so the query-key product barely depends on the distance.
+    """
+    model = tiny_model("llama")
+    with torch.no_grad():
+        embed = model.model.embed_tokens.weight
+        embed[:, :2] = 0.0
+        embed[:, 0] = 1.0
+        embed[NEEDLE, 1] = 3.0
+        attention = model.model.layers[0].self_attn
+        attention.q_proj.weight.zero_()
+        attention.k_proj.weight.zero_()
+        for head in range(6):
+            attention.q_proj.weight[head * 16 + 7, 0] = 1.0
+        for head in range(2):
+            attention.k_proj.weight[head * 16 + 7, 1] = 1.0
+    return model
+
+
+@pytest.mark.parametrize(
+    "policy,params,kept",
+    [
+        ("snapkv", {"window": 8, "kernel": 5}, True),
+        ("snapkv", {"window": 8, "kernel": 5, "pooling": "max"}, True),
+        ("window", {}, False),
+        ("streaming", {"sinks": 4}, False),
+    ],
+)
+def test_snapkv_keeps_what_the_last_queries_look_at(policy, params, kept):
+    model = needle_model()
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(8, 128, (1, PROMPT), generator=generator)
+    ids[0, NEEDLE_AT] = NEEDLE
+    session = attach(model, uniform_plan(model, policy, Budget(tokens=16), **params))
+    recorder = StepRecorder(lambda: session.last_cache.kept_positions(0)[0])
+    greedy(model, ids, torch.ones_like(ids), 4, recorder=recorder, cache=session.new_cache())
+    session.detach()
+    for step, heads in enumerate(recorder.steps):  # after the prefill and each decode step
+        for positions in heads:
+            assert len(positions) == 16
+            assert (NEEDLE_AT in positions) is kept, (step, positions)
+            if policy == "snapkv":  # the observation window (the last 8 prompt tokens) is kept whole
+                assert set(range(PROMPT - 8, PROMPT)) <= set(positions)
+
+
+def test_snapkv_without_a_long_call_keeps_the_newest():
+    """Fed one token at a time there is no prompt to score: SnapKV keeps the most recent tokens."""
+    model = tiny_model("llama")
+    session = attach(model, uniform_plan(model, "snapkv", Budget(tokens=4), window=2))
+    cache = session.new_cache()
+    for token in range(1, 10):
+        model(input_ids=torch.tensor([[token]]), cache=cache)
+    session.detach()
+    assert cache.kept_positions(1)[0] == [[5, 6, 7, 8]] * 2
+
+
+def test_tova_one_selection_per_layer():
+    """The score is the layer-wide mean over KV heads, matched by position even when slots differ."""
+    tova = get_registry().get("tova")()
+    positions = torch.tensor([[[0, 1, 2, 3], [3, 2, 1, 0]]])  # head 1 holds the same tokens, reversed
+    state = {"row": torch.zeros(1, 2, 4)}
+    tova.observe(state, AttentionStats(queries=torch.tensor([1]), last_rows=torch.tensor(
+        [[[[0.1, 0.2, 0.3, 0.4]], [[0.2, 0.4, 0.0, 0.4]]]])))
+    view = TokenView(positions, torch.ones(1, 2, 4, dtype=torch.bool), torch.tensor([4]), torch.tensor([[2, 2]]))
+    scores = tova.score(state, view)
+    # token 0: (0.1 + 0.4) / 2, token 1: (0.2 + 0.0) / 2, token 2: (0.3 + 0.4) / 2, token 3: (0.4 + 0.2) / 2
+    torch.testing.assert_close(scores[0, 0], torch.tensor([0.25, 0.1, 0.35, 0.3]))
+    torch.testing.assert_close(scores[0, 1], torch.tensor([0.3, 0.35, 0.1, 0.25]))
+
+
+@pytest.mark.parametrize(
+    "policy,params,message",
+    [
+        ("snapkv", {"kernel": 4}, "odd"),
+        ("snapkv", {"pooling": "mean"}, "pooling"),
+        ("snapkv", {"decode": "drop"}, "decode"),
+        ("snapkv", {"window": 0}, "window"),
+        ("scissorhands", {"history_window": 0}, "history_window"),
+        ("scissorhands", {"recent": -1}, "recent"),
+        ("roco", {"recent_ratio": 1.5}, "recent_ratio"),
+        ("roco", {"sink_length": -1}, "sink_length"),
+    ],
+)
+def test_params_are_validated(policy, params, message):
+    cls = get_registry().get(policy)
+    with pytest.raises(ValueError, match=message):
+        cls.Params(**params).validate()

@@ -1,0 +1,82 @@
+"""Scissorhands, RoCo, TOVA and SnapKV keep exactly what a brute-force reference keeps, at every step.
+
+Each reference (tests/policy_references.py) computes attention by hand over Python sets
+and applies the paper's rule to Python floats; kvpolicy must keep the same positions per
+(layer, batch row, KV head) after the prefill and after every decode step, and generate
+the same tokens. Left-padded batches, GQA (llama, 3 query heads per KV head) and MHA (opt).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import StepRecorder, greedy, uniform_plan
+from policy_references import BruteForceRoCo, BruteForceScissorhands, BruteForceSnapKV, BruteForceTOVA
+from tiny_models import padded_batch, tiny_model
+
+from kvpolicy.attach import attach
+from kvpolicy.plan import Budget
+
+STEPS = 9  # the prefill pass plus 8 decode steps
+
+CASES = {
+    "tova": (lambda: BruteForceTOVA(7), "tova", Budget(tokens=7), {}),
+    "snapkv-avg": (lambda: BruteForceSnapKV(8, window=4, kernel=3), "snapkv", Budget(tokens=8), {"window": 4, "kernel": 3}),
+    "snapkv-max": (
+        lambda: BruteForceSnapKV(9, window=3, kernel=5, pooling="max"),
+        "snapkv", Budget(tokens=9), {"window": 3, "kernel": 5, "pooling": "max"},
+    ),
+    "snapkv-evict-oldest": (
+        lambda: BruteForceSnapKV(8, window=4, kernel=3, decode="evict_oldest"),
+        "snapkv", Budget(tokens=8), {"window": 4, "kernel": 3, "decode": "evict_oldest"},
+    ),
+    # w = 10: the 17- and 12-token prompts count their last 10 queries, the 9-token one all of them;
+    # slack 2: the cache grows to 8 and drops 3 tokens at once (Scissorhands' amortized compression)
+    "scissorhands": (
+        lambda: BruteForceScissorhands(6, slack=2, history_window=10, recent=2),
+        "scissorhands", Budget(tokens=6, slack=2), {"history_window": 10, "recent": 2},
+    ),
+    # protected: 1 sink + 4 (half the budget): the 3 least stable other tokens stay out of the scope
+    "roco": (
+        lambda: BruteForceRoCo(8, recent_ratio=0.5, sink_length=1, recent_tokens=1),
+        "roco", Budget(tokens=8), {"recent_ratio": 0.5, "sink_length": 1, "recent_tokens": 1},
+    ),
+    # protected (2 sinks + 1) < sinks + recent: some always-protected tokens fall in the scope
+    "roco-small": (
+        lambda: BruteForceRoCo(6, recent_ratio=0.2, sink_length=2, recent_tokens=3),
+        "roco", Budget(tokens=6), {"recent_ratio": 0.2, "sink_length": 2, "recent_tokens": 3},
+    ),
+}
+# the short prompt of the snapkv cases (3 tokens) is no longer than the window: nothing to score
+LENGTHS = {"snapkv": (17, 12, 3)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_bruteforce(case, arch):
+    make_reference, policy, budget, params = CASES[case]
+    model = tiny_model(arch)
+    ids, mask = padded_batch(lengths=LENGTHS.get(policy, (17, 12, 9)))
+
+    reference = make_reference()
+    reference.register()
+    model.set_attn_implementation(reference.name)
+    recorder = StepRecorder(lambda: dict(reference.current))
+    ref_tokens, ref_logits = greedy(model, ids, mask, STEPS, recorder=recorder)
+    model.set_attn_implementation("sdpa")
+
+    session = attach(model, uniform_plan(model, policy, budget, **params))
+    layers = range(model.config.num_hidden_layers)
+    ours = StepRecorder(lambda: {layer: session.last_cache.kept_positions(layer) for layer in layers})
+    tokens, logits = greedy(model, ids, mask, STEPS, recorder=ours, cache=session.new_cache())
+    session.detach()
+
+    assert len(ours.steps) == len(recorder.steps) == STEPS
+    for step, (mine, theirs) in enumerate(zip(ours.steps, recorder.steps, strict=True)):
+        for layer in layers:
+            assert mine[layer] == theirs[layer], f"step {step} layer {layer}"
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert all(len(head) < 17 for head in ours.steps[0][0][0])  # the longest prompt was really compressed
+    if arch == "llama" and policy != "tova":  # per-head policies: the heads of a layer choose differently
+        assert any(row[0] != row[1] for step in ours.steps for layer in layers for row in step[layer])
