@@ -75,7 +75,6 @@ def kvpolicy_attention(
 
     keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
     if layer.needs:
-        # a packed cache with no pads and no window needs no mask beyond causality
         if layer.backend == "triton":
             from .backend.triton_kernels import attend_tracking_triton  # lazy: importing triton is slow
 
