@@ -209,7 +209,7 @@ class PolicyLayer(CacheLayerMixin):
         )
         scores = None
         for group in self.groups:
-            group_scores = group.policy.score(self._group_state(group), view).float()
+            group_scores = _checked(group.policy, group.policy.score(self._group_state(group), view), view.valid)
             heads = group.heads.to(self.device)[:, :, None]
             scores = group_scores if scores is None else torch.where(heads, group_scores, scores)
         return scores.masked_fill(~view.valid, -torch.inf)
@@ -341,6 +341,19 @@ class PolicyLayer(CacheLayerMixin):
             "tokens_min": int(tokens.min()),
             "tokens_max": int(tokens.max()),
         }
+
+
+def _checked(policy: Policy, scores: object, valid: torch.Tensor) -> torch.Tensor:
+    """A policy's scores, or a clear error naming the policy when they cannot be used."""
+    if not isinstance(scores, torch.Tensor) or scores.shape != valid.shape:
+        shape = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise KVPolicyError(
+            f"policy {policy.name!r} returned scores of shape {shape}; expected [batch, kv_heads, slots] = "
+            f"{tuple(valid.shape)}"
+        )
+    if bool(torch.isnan(scores).any()):
+        raise KVPolicyError(f"policy {policy.name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")
+    return scores.float()
 
 
 def _move(tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:

@@ -78,3 +78,32 @@ def test_policy_scores_have_the_view_shape():
         policy = Registry(load_entry_points=False).get(name)()
         state = {key: torch.zeros(2, 3, 6) for key in policy.state}
         assert policy.score(state, view).shape == (2, 3, 6)
+
+
+@pytest.mark.parametrize(
+    "score,message",
+    [
+        (lambda self, state, view: view.positions.float()[..., :-1], "returned scores of shape"),
+        (lambda self, state, view: torch.full(view.positions.shape, float("nan")), "returned NaN scores"),
+    ],
+)
+def test_policy_with_bad_scores_fails_with_its_name(score, message):
+    from helpers import uniform_plan
+    from tiny_models import tiny_model
+
+    from kvpolicy.attach import attach
+    from kvpolicy.plan import Budget
+
+    bad = type("Bad", (Policy,), {"name": "test_bad", "score": score})
+    registry = Registry(load_entry_points=False)
+    registry._add_plugin(plugin(bad), "bad", "plugin bad 0.1")
+    model = tiny_model("llama")
+    plan = uniform_plan(model, "h2o", Budget(tokens=4))
+    for layer in plan.layers:
+        layer.heads = [type(head)("test_bad", bad.Params(), head.budget) for head in layer.heads]
+    session = attach(model, plan, registry=registry)
+    try:
+        with pytest.raises(KVPolicyError, match=f"policy 'test_bad' {message}"):
+            model(input_ids=torch.randint(1, 100, (1, 9)), cache=session.new_cache())
+    finally:
+        session.detach()
