@@ -25,6 +25,7 @@ from .errors import KVPolicyError
 from .plan import Plan
 from .policies.base import Policy
 from .registry import Registry, get_registry
+from .rotary import find_inv_freq, in_cache_deltas, rotate
 
 ATTENTION_NAME = "kvpolicy"
 _registered = False
@@ -74,6 +75,8 @@ def kvpolicy_attention(
         return layer.key_mask(query_positions[:, lo:hi], width, sliding_window)
 
     keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
+    if layer.in_cache_heads is not None:
+        query, keys = _in_cache_positions(layer, query, keys, query_positions, start)
     if layer.needs:
         if layer.backend == "triton":
             from .backend.triton_kernels import attend_tracking_triton  # lazy: importing triton is slow
@@ -93,6 +96,21 @@ def kvpolicy_attention(
         out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
     layer.end_attention(stats)
     return out, None
+
+
+def _in_cache_positions(layer, query, keys, query_positions, start):
+    """Re-rotate keys (and queries) of StreamingLLM in-cache heads to their index within the cache."""
+    batch, q_heads, queries, dim = query.shape
+    kv_heads = keys.shape[1]
+    key_delta, query_delta = in_cache_deltas(
+        layer.positions[:, :, : keys.shape[2]], layer.valid[:, :, : keys.shape[2]], slice(start, start + queries),
+        query_positions,
+    )
+    heads = layer.in_cache_heads.to(keys.device)[:, :, None]
+    keys = rotate(keys, torch.where(heads, key_delta, 0), layer.inv_freq)
+    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, queries, dim)
+    query = rotate(grouped, torch.where(heads, query_delta, 0)[:, :, None], layer.inv_freq)
+    return query.reshape(batch, q_heads, queries, dim), keys
 
 
 def _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling) -> torch.Tensor:
@@ -171,9 +189,18 @@ class Session:
             rows = [plan.layers[index] for plan in plans]
             layer = PolicyLayer(index, rows, build_groups(rows, self._policies), prompt_tokens)
             layer.backend = self.plan.backend
+            if layer.in_cache_heads is not None:
+                layer.inv_freq = self._inv_freq()
             layers.append(layer)
         self.last_cache = PolicyCache(layers)
         return self.last_cache
+
+    def _inv_freq(self) -> torch.Tensor:
+        if "inv_freq" not in self.__dict__:
+            config = self.model.config.get_text_config()
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.__dict__["inv_freq"] = find_inv_freq(self.model, head_dim)
+        return self.__dict__["inv_freq"]
 
     def generate(self, *args: Any, prompt_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
         """``model.generate`` with a fresh kvpolicy cache (available afterwards as ``last_cache``)."""

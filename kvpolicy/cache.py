@@ -63,6 +63,10 @@ class PolicyLayer(CacheLayerMixin):
         self.bounded = bool(self.bounded_cells.any())
         self.slack = max((h.budget.slack for h in cells), default=0)
         self.drops_early = any(g.policy.drops_early for g in groups)
+        # (row, head) cells whose keys move to in-cache RoPE positions (StreamingLLM), or None
+        in_cache = [g.heads for g in groups if getattr(g.policy.params, "positions", "original") == "in_cache"]
+        self.in_cache_heads = torch.stack(in_cache).any(dim=0) if in_cache else None
+        self.inv_freq: torch.Tensor | None = None
         # python-side facts that let a decode step skip tensor reductions (and their syncs):
         # packed_tokens = n means every (row, head) holds exactly n tokens in slots [0, n)
         self.packed_tokens: int | None = 0

@@ -8,10 +8,14 @@ from helpers import greedy, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
 from kvpolicy.attach import attach
+from kvpolicy.errors import KVPolicyError
 from kvpolicy.plan import Budget
 
 STEPS = 20
-POLICIES = [("full", {}), ("h2o", {}), ("window", {}), ("streaming", {"sinks": 4})]
+POLICIES = [
+    ("full", {}), ("h2o", {}), ("window", {}), ("streaming", {"sinks": 4}),
+    ("streaming", {"sinks": 4, "positions": "in_cache"}),
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -22,6 +26,11 @@ def test_large_budget_equals_transformers(arch):
     ref_prefill = model(input_ids=ids, attention_mask=mask).logits
     for policy, params in POLICIES:
         session = attach(model, uniform_plan(model, policy, Budget(tokens=1000), **params))
+        if arch == "opt" and params.get("positions") == "in_cache":  # learned positions: no RoPE to move
+            with pytest.raises(KVPolicyError, match="need a RoPE model"):
+                session.new_cache()
+            session.detach()
+            continue
         try:
             tokens, logits = greedy(session.model, ids, mask, STEPS, cache=session.new_cache())
             prefill = model(input_ids=ids, attention_mask=mask, cache=session.new_cache()).logits

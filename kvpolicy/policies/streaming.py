@@ -1,7 +1,9 @@
 """StreamingLLM (Xiao et al., ICLR'24): the first `sinks` tokens plus the most recent ones.
 
-Keys keep their original RoPE positions (as kvpress and KVCache-Factory do); the
-paper's re-assigned in-cache positions are not implemented yet.
+``positions: original`` (default) keeps each key at its original RoPE position, as
+kvpress and KVCache-Factory do. ``positions: in_cache`` is the paper's method: at every
+attention call keys are re-rotated to their index within the cache and the query to
+its own, so positions never exceed the cache size (O(cache x head_dim) per call).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from .base import Policy, TokenView
 @dataclass(frozen=True)
 class StreamingParams:
     sinks: int = 4  # attention-sink tokens kept from the start of each sequence
+    positions: str = "original"  # or "in_cache": RoPE positions re-assigned within the cache (the paper)
 
     def validate(self) -> None:
         if self.sinks < 0:
             raise ValueError("sinks must be >= 0")
+        if self.positions not in ("original", "in_cache"):
+            raise ValueError('positions must be "original" or "in_cache"')
 
 
 class Streaming(Policy):
