@@ -5,14 +5,12 @@ from __future__ import annotations
 import csv
 import json
 import math
-import random
 
 import numpy
 import pytest
 import torch
-from tiny_models import tiny_model
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from tiny_models import char_tokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvpolicy.cli import main
 from kvpolicy.tasks import TASKS, Context, Row
@@ -20,29 +18,6 @@ from kvpolicy.tasks.passkey import make_prompt
 
 TOKENS, PROMPT = 64, 48
 SIZES = ["--tokens", str(TOKENS), "--prompt-tokens", str(PROMPT)]
-
-
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character (ids 3..98), within the tiny models' 128-token vocabulary."""
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model folder, text file) for `--model` and `--text-file`."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    words = "the cache keeps a few tokens and drops the rest while the model reads on".split()
-    rng = random.Random(0)
-    text = tmp_path_factory.mktemp("text") / "text.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(400)) + "\n")
-    return str(folder), str(text)
 
 
 def compare(tiny, out, *extra: str) -> int:

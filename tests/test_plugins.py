@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import re
 import shutil
 import subprocess
@@ -17,8 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_compare import char_tokenizer
-from tiny_models import tiny_model
 
 PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 #: folder -> (distribution name, policy, example recipe)
@@ -51,19 +48,6 @@ def installed(tmp_path_factory):
     finally:
         dists = [dist for dist, _, _ in EXAMPLES.values()]
         subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *dists], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(model folder, text file), as in test_compare."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_model("llama").save_pretrained(folder)
-    char_tokenizer().save_pretrained(folder)
-    words = "the cache keeps a few tokens and drops the rest while the model reads on".split()
-    rng = random.Random(0)
-    text = tmp_path_factory.mktemp("text") / "text.txt"
-    text.write_text(" ".join(rng.choice(words) for _ in range(400)) + "\n")
-    return str(folder), str(text)
 
 
 def test_policies_lists_the_plugins_with_their_source(installed):

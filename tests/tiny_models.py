@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -10,6 +11,7 @@ from transformers import (
     MistralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -58,3 +60,13 @@ def padded_batch(seed: int = 1, lengths: tuple[int, ...] = (17, 11, 6)) -> tuple
         ids[row, width - length :] = torch.randint(1, VOCAB, (length,), generator=generator)
         mask[row, width - length :] = 1
     return ids, mask
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character (ids 3..98), within the tiny models' 128-token vocabulary."""
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, **{c: i + 3 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")
