@@ -62,7 +62,7 @@ def test_validate_prints_plan_per_layer_and_head(capsys):
     assert main(["validate", "recipes/mixed.yaml"]) == 0
     out = capsys.readouterr().out
     assert "layers 0-1: heads 0-2: full" in out
-    assert "layers 10: heads 0: h2o" in out and "heads 1: streaming(sinks=4)" in out
+    assert "layers 10: heads 0: h2o" in out and "heads 1: streaming(sinks=4, positions='original')" in out
     assert "layers 11-29: heads 0-2: h2o" in out
 
 
