@@ -46,3 +46,33 @@ def greedy(model, ids, mask, steps: int, recorder: StepRecorder | None = None, *
         **kwargs,
     )
     return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def run_against_reference(model, reference, plan, ids, mask, steps: int):
+    """Greedy generation under a brute-force reference, then under kvpolicy with ``plan``.
+
+    Asserts the same kept positions per (layer, row, KV head) after every forward pass,
+    the same tokens and the same logits; returns kvpolicy's per-step kept positions.
+    """
+    from kvpolicy.attach import attach
+
+    reference.register()
+    model.set_attn_implementation(reference.name)
+    theirs = StepRecorder(lambda: dict(reference.current))
+    ref_tokens, ref_logits = greedy(model, ids, mask, steps, recorder=theirs)
+    model.set_attn_implementation("sdpa")
+
+    session = attach(model, plan)
+    layers = range(model.config.num_hidden_layers)
+    ours = StepRecorder(lambda: {layer: session.last_cache.kept_positions(layer) for layer in layers})
+    try:
+        tokens, logits = greedy(model, ids, mask, steps, recorder=ours, cache=session.new_cache())
+    finally:
+        session.detach()
+    assert len(ours.steps) == len(theirs.steps) == steps
+    for step, (mine, expected) in enumerate(zip(ours.steps, theirs.steps, strict=True)):
+        for layer in layers:
+            assert mine[layer] == expected[layer], f"step {step} layer {layer}"
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    return ours.steps

@@ -1,6 +1,6 @@
-"""Deliberately naive references for Scissorhands, RoCo, TOVA and SnapKV (brute force, explicit attention).
+"""Deliberately naive references for H2O, Scissorhands, RoCo, TOVA and SnapKV (brute force, explicit attention).
 
-Like `h2o_reference.py`: every K/V stays in a DynamicCache, eviction is simulated with
+Every K/V stays in a DynamicCache, eviction is simulated with
 Python sets of (padded) indices, attention is computed one query head and one key at a
 time, and each policy's rule is applied by hand to Python floats after every attention
 call (the prefill, then each decode step). Nothing is shared with kvpolicy.
@@ -87,6 +87,25 @@ class BruteForce:
 def mean(values) -> float:
     values = list(values)
     return sum(values) / len(values)
+
+
+class BruteForceH2O(BruteForce):
+    """Zhang et al., Algorithm 1 with the recent window: accumulated attention, the newest `recent` pinned."""
+
+    name = "h2o_bruteforce"
+
+    def __init__(self, budget: int, recent_ratio: float = 0.5):
+        super().__init__(budget)
+        self.recent = round(budget * recent_ratio)
+
+    def rule(self, layer, b, calls):
+        for h, (_, rows) in calls.items():
+            score = self.data.setdefault((layer, b, h), {})
+            for _, cols, heads in rows:
+                for j in cols:
+                    score[j] = score.get(j, 0.0) + mean(head[j] for head in heads)
+            recent = set(sorted(self.kept[(layer, b, h)], reverse=True)[: self.recent])
+            self.keep_best(layer, b, h, key=lambda j: (j in recent, score[j]))
 
 
 class BruteForceTOVA(BruteForce):

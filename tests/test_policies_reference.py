@@ -9,12 +9,10 @@ the same tokens. Left-padded batches, GQA (llama, 3 query heads per KV head) and
 from __future__ import annotations
 
 import pytest
-import torch
-from helpers import StepRecorder, greedy, uniform_plan
+from helpers import run_against_reference, uniform_plan
 from policy_references import BruteForceRoCo, BruteForceScissorhands, BruteForceSnapKV, BruteForceTOVA
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.plan import Budget
 
 STEPS = 9  # the prefill pass plus 8 decode steps
@@ -58,25 +56,8 @@ def test_matches_bruteforce(case, arch):
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=LENGTHS.get(policy, (17, 12, 9)))
 
-    reference = make_reference()
-    reference.register()
-    model.set_attn_implementation(reference.name)
-    recorder = StepRecorder(lambda: dict(reference.current))
-    ref_tokens, ref_logits = greedy(model, ids, mask, STEPS, recorder=recorder)
-    model.set_attn_implementation("sdpa")
-
-    session = attach(model, uniform_plan(model, policy, budget, **params))
-    layers = range(model.config.num_hidden_layers)
-    ours = StepRecorder(lambda: {layer: session.last_cache.kept_positions(layer) for layer in layers})
-    tokens, logits = greedy(model, ids, mask, STEPS, recorder=ours, cache=session.new_cache())
-    session.detach()
-
-    assert len(ours.steps) == len(recorder.steps) == STEPS
-    for step, (mine, theirs) in enumerate(zip(ours.steps, recorder.steps, strict=True)):
-        for layer in layers:
-            assert mine[layer] == theirs[layer], f"step {step} layer {layer}"
-    assert torch.equal(tokens, ref_tokens)
-    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
-    assert all(len(head) < 17 for head in ours.steps[0][0][0])  # the longest prompt was really compressed
+    steps = run_against_reference(model, make_reference(), uniform_plan(model, policy, budget, **params), ids, mask, STEPS)
+    assert all(len(head) < 17 for head in steps[0][0][0])  # the longest prompt was really compressed
     if arch == "llama" and policy != "tova":  # per-head policies: the heads of a layer choose differently
-        assert any(row[0] != row[1] for step in ours.steps for layer in layers for row in step[layer])
+        layers = range(model.config.num_hidden_layers)
+        assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
