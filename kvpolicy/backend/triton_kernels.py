@@ -59,6 +59,28 @@ def interpreting() -> bool:
 # prefill: flash forward with log-sum-exp, then per-key-block statistics
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def _visible_scores(
+    q, k_base, valid_base, pos_base, cols, n_ok, offs_d, d_ok, stride_kn, stride_kd, stride_mn, stride_pn,
+    qpos, window, qk_scale, HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Scaled logits of the queries against one block of key slots (-inf where not visible), and visibility."""
+    kt = tl.load(
+        k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+        mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+    )
+    kval = tl.load(valid_base + cols * stride_mn, mask=n_ok, other=0) != 0
+    kpos = tl.load(pos_base + cols * stride_pn, mask=n_ok, other=0)
+    vis = kval[None, :] & (kpos[None, :] <= qpos[:, None])
+    if HAS_WINDOW:
+        vis = vis & (kpos[None, :] > qpos[:, None] - window)
+    if UPCAST:
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    return tl.where(vis, s * qk_scale, float("-inf")), vis
+
+
+@triton.jit
 def _prefill_fwd_kernel(
     Q, K, V, KVALID, KPOS, QPOS, OUT, LSE, CNT,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -103,20 +125,10 @@ def _prefill_fwd_kernel(
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         n_ok = cols < hi
-        kt = tl.load(
-            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        s, vis = _visible_scores(
+            q, k_base, valid_base, pos_base, cols, n_ok, offs_d, d_ok, stride_kn, stride_kd, stride_mn, stride_pn,
+            qpos, window, qk_scale, HAS_WINDOW, UPCAST,
         )
-        kval = tl.load(valid_base + cols * stride_mn, mask=n_ok, other=0) != 0
-        kpos = tl.load(pos_base + cols * stride_pn, mask=n_ok, other=0)
-        vis = kval[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (kpos[None, :] > qpos[:, None] - window)
-        if UPCAST:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(vis, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -288,20 +300,10 @@ def _decode_partial_kernel(
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_ok = cols < hi
-        kt = tl.load(
-            k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+        s, vis = _visible_scores(
+            q, k_base, valid_base, pos_base, cols, n_ok, offs_d, d_ok, stride_kn, stride_kd, stride_mn, stride_pn,
+            qpos, window, qk_scale, HAS_WINDOW, UPCAST,
         )
-        kval = tl.load(valid_base + cols * stride_mn, mask=n_ok, other=0) != 0
-        kpos = tl.load(pos_base + cols * stride_pn, mask=n_ok, other=0)
-        vis = kval[None, :] & (kpos[None, :] <= qpos[:, None])
-        if HAS_WINDOW:
-            vis = vis & (kpos[None, :] > qpos[:, None] - window)
-        if UPCAST:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(vis, s * qk_scale, float("-inf"))
         if STORE_S:
             tl.store(s_base + offs_r[:, None] * T_EFF + cols[None, :], s, mask=r_ok[:, None] & n_ok[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
