@@ -19,6 +19,11 @@ def uniform_plan(model, policy: str, budget: Budget | None = None, **params) -> 
     return Plan(f"{policy}-test", [LayerPlan([head] * heads) for _ in range(layers)])
 
 
+def per_head_counts(cache) -> list[torch.Tensor]:
+    """Tokens held per (row, KV head), one [B, Hkv] tensor per layer."""
+    return [layer.valid.sum(dim=2).clone() for layer in cache.layers]
+
+
 class StepRecorder(LogitsProcessor):
     """Calls ``snapshot()`` after every forward pass of `generate` and keeps what it returns."""
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import StepRecorder, greedy, uniform_plan
+from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import padded_batch, tiny_model
 
 from kvpolicy.attach import attach
@@ -14,25 +14,6 @@ from kvpolicy.errors import KVPolicyError
 from kvpolicy.plan import Budget
 
 LENGTHS = (17, 11, 6)
-
-
-def per_head_counts(cache) -> list[torch.Tensor]:
-    return [layer.valid.sum(dim=2).clone() for layer in cache.layers]
-
-
-@pytest.mark.parametrize("policy,params", [("h2o", {}), ("window", {}), ("streaming", {"sinks": 2})])
-@pytest.mark.parametrize("budget", [Budget(tokens=5), Budget(ratio=0.5)])
-def test_budget_held_after_prefill_and_every_step(policy, params, budget):
-    model = tiny_model("llama")
-    ids, mask = padded_batch(lengths=LENGTHS)
-    session = attach(model, uniform_plan(model, policy, budget, **params))
-    recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
-    greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
-    session.detach()
-    expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
-    for step, counts in enumerate(recorder.steps):
-        for layer_counts in counts:
-            assert torch.equal(layer_counts, expected[:, None].expand_as(layer_counts)), f"step {step}"
 
 
 def test_memory_report_is_the_real_storage():

@@ -1,4 +1,4 @@
-"""Scissorhands, RoCo, TOVA and SnapKV on the cache: budgets held, parity with a large budget, what they keep."""
+"""Every built-in evicting policy on the cache: budgets held; Scissorhands, RoCo, TOVA and SnapKV: parity, what they keep."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers import StepRecorder, greedy, uniform_plan
+from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
 from kvpolicy.attach import attach
@@ -23,23 +23,22 @@ POLICIES = [
     ("roco", {"sink_length": 1, "recent_tokens": 2, "recent_ratio": 0.3}),
 ]
 
-
-def per_head_counts(cache) -> list[torch.Tensor]:
-    return [layer.valid.sum(dim=2).clone() for layer in cache.layers]
+# the budget test covers the core policies too
+BUDGET_POLICIES = [("h2o", {}), ("window", {}), ("streaming", {"sinks": 2}), *POLICIES]
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
 @pytest.mark.parametrize("budget", [Budget(tokens=5), Budget(ratio=0.5)])
-@pytest.mark.parametrize("policy,params", POLICIES)
+@pytest.mark.parametrize("policy,params", BUDGET_POLICIES)
 def test_budget_held_after_prefill_and_every_step(policy, params, budget, arch):
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=LENGTHS)
     session = attach(model, uniform_plan(model, policy, budget, **params))
     recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
-    greedy(model, ids, mask, 10, recorder=recorder, cache=session.new_cache())
+    greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
     session.detach()
     expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
-    assert len(recorder.steps) == 10
+    assert len(recorder.steps) == 12
     for step, counts in enumerate(recorder.steps):
         for layer_counts in counts:
             assert torch.equal(layer_counts, expected[:, None].expand_as(layer_counts)), f"step {step}"
