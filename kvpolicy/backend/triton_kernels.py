@@ -81,6 +81,24 @@ def _visible_scores(
 
 
 @triton.jit
+def _online_softmax_step(s, m_i, l_i, acc, v_base, cols, n_ok, offs_d, d_ok, stride_vn, stride_vd, UPCAST: tl.constexpr):
+    """Fold one block of base-2 logits and its values into the running max, normaliser and output."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    v = tl.load(
+        v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+        mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if UPCAST:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _prefill_fwd_kernel(
     Q, K, V, KVALID, KPOS, QPOS, OUT, LSE, CNT,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -129,21 +147,9 @@ def _prefill_fwd_kernel(
             q, k_base, valid_base, pos_base, cols, n_ok, offs_d, d_ok, stride_kn, stride_kd, stride_mn, stride_pn,
             qpos, window, qk_scale, HAS_WINDOW, UPCAST,
         )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            s, m_i, l_i, acc, v_base, cols, n_ok, offs_d, d_ok, stride_vn, stride_vd, UPCAST
         )
-        if UPCAST:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
         if WANT_CNT:
             cnt += tl.sum(vis.to(tl.float32), 1)
 
@@ -306,21 +312,9 @@ def _decode_partial_kernel(
         )
         if STORE_S:
             tl.store(s_base + offs_r[:, None] * T_EFF + cols[None, :], s, mask=r_ok[:, None] & n_ok[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+        m_i, l_i, acc = _online_softmax_step(
+            s, m_i, l_i, acc, v_base, cols, n_ok, offs_d, d_ok, stride_vn, stride_vd, UPCAST
         )
-        if UPCAST:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
         cnt += tl.sum(vis.to(tl.float32), 1)
 
     part = (pid_bh.to(tl.int64) * NUM_SPLITS + pid_s) * BLOCK_R + offs_r
