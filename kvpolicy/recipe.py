@@ -22,10 +22,80 @@ from .registry import Registry, get_registry
 
 SCHEMA_VERSION = 1
 BACKENDS = ("auto", "torch", "triton")
-TOP_KEYS = ("kvpolicy", "name", "description", "budget", "policy", "params", "backend", "layers", "heads")
-RULE_KEYS = {"layers": ("layers", "policy", "params", "budget"), "heads": ("layers", "heads", "policy", "params", "budget")}
-BUDGET_KEYS = ("ratio", "tokens", "slack", "schedule", "beta", "per_layer")
-SCHEDULES = ("uniform", "pyramid", "funnel")
+REQUIRED = "(required)"  # the default of a key that has none
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key: the validator reads its name and default from here, the docs all of it."""
+
+    name: str
+    kind: str  # what the value is, in words
+    default: Any  # what the validator uses when the key is absent (or REQUIRED)
+    doc: str
+    default_doc: str = ""  # the default in words, when it is not a plain value
+
+
+SELECTOR = 'an index (3, "-1"), a range ("0-1", "2-"), a list ("0,2,5-7" or [0, 2]) or "all"'
+#: Layer budget schedules (the ``schedule`` budget key) and what each does with a mean budget b.
+SCHEDULE_DOCS = {
+    "uniform": "every layer gets b",
+    "pyramid": "falls linearly with depth, from 2b - b/beta at the lowest layer to b/beta at the top (PyramidKV)",
+    "funnel": "the mirror of pyramid: rises with depth (Scissorhands: later layers need more)",
+}
+SCHEDULES = tuple(SCHEDULE_DOCS)
+
+#: The recipe schema (version SCHEMA_VERSION): top-level keys, layer/head rule keys, budget keys.
+TOP_LEVEL = (
+    Key("kvpolicy", "integer", REQUIRED, f"schema version; this kvpolicy reads {SCHEMA_VERSION}"),
+    Key("name", "string", None, "the recipe's name in plans, tables and plots", "the file name without .yaml"),
+    Key("description", "string", "", "one line shown by `kvpolicy recipes` and `kvpolicy validate`"),
+    Key("budget", "budget mapping", None, "tokens each (layer, KV head) keeps; see the budget keys",
+        "none: unbounded (only `full` may run without a budget)"),
+    Key("policy", "policy name", "full", "the policy of every layer and KV head that no rule changes"),
+    Key("params", "mapping", {}, "parameters of `policy` (see the policy's parameters); omitted ones take "
+        "their defaults"),
+    Key("backend", f"one of {', '.join(BACKENDS)}", "auto", "attention backend for statistics: `auto` picks "
+        "triton on CUDA and torch elsewhere; $KVPOLICY_BACKEND overrides it"),
+    Key("layers", "list of layer rules", [], "per-layer changes, applied in order (later rules win)"),
+    Key("heads", "list of head rules", [], "per-KV-head changes, applied after every layer rule"),
+)
+_RULE_POLICY = Key("policy", "policy name", None, "switch these cells to another policy (its params start from "
+                   "its defaults)", "keep the current policy")
+_RULE_PARAMS = Key("params", "mapping", None, "parameters, over the current ones when the policy is unchanged, "
+                   "over the new policy's defaults when `policy` switches it", "keep the current params")
+_RULE_BUDGET = Key("budget", "budget mapping", None, "a budget of their own for these cells; may give only a "
+                   "schedule, which then spreads the top-level amount over the rule's layers",
+                   "keep the current budget")
+RULES = {
+    "layers": (
+        Key("layers", "layer selector", REQUIRED, f"the layers the rule applies to: {SELECTOR}"),
+        _RULE_POLICY, _RULE_PARAMS, _RULE_BUDGET,
+    ),
+    "heads": (
+        Key("layers", "layer selector", "all", f"the layers: {SELECTOR}"),
+        Key("heads", "KV head selector", REQUIRED, f"the KV heads of those layers: {SELECTOR}"),
+        _RULE_POLICY, _RULE_PARAMS, _RULE_BUDGET,
+    ),
+}
+BUDGET = (
+    Key("ratio", "number in (0, 1]", None, "share of each row's prompt (its real tokens) to keep; give exactly "
+        "one of ratio and tokens", "required: one of ratio, tokens"),
+    Key("tokens", "integer >= 1", None, "tokens to keep; give exactly one of ratio and tokens",
+        "required: one of ratio, tokens"),
+    Key("slack", "integer >= 0", 0, "tokens a head may go over budget before one compaction drops them all "
+        "(amortized eviction: fewer compactions, up to `slack` tokens more memory)"),
+    Key("schedule", f"one of {', '.join(SCHEDULES)}", "uniform", "how the budget is spread over the layers "
+        "that use it; the mean layer budget stays the budget"),
+    Key("beta", "number >= 1", 20.0, "steepness of pyramid and funnel: the smallest layer budget is "
+        "budget/beta"),
+    Key("per_layer", "list of positive numbers", None, "one multiplier per layer that uses this budget, in "
+        "depth order, averaging 1; excludes `schedule`"),
+)
+TOP_KEYS = tuple(key.name for key in TOP_LEVEL)
+RULE_KEYS = {kind: tuple(key.name for key in keys) for kind, keys in RULES.items()}
+BUDGET_KEYS = tuple(key.name for key in BUDGET)
+_DEFAULT = {("top", k.name): k.default for k in TOP_LEVEL} | {("budget", k.name): k.default for k in BUDGET}
 _DIRS = (Path(__file__).parent / "recipes_builtin", Path(__file__).parent.parent / "recipes")
 
 
@@ -129,8 +199,8 @@ class Schedule:
     scaled (each layer then rounds its own count up, so the mean may exceed b by < 1 token).
     """
 
-    kind: str = "uniform"
-    beta: float = 20.0
+    kind: str = _DEFAULT["budget", "schedule"]
+    beta: float = _DEFAULT["budget", "beta"]
     per_layer: tuple[float, ...] | None = None
     path: str = "budget"
     line: int | None = None
@@ -187,11 +257,11 @@ def _amount(budget: Budget) -> float:
 def _schedule(raw: Any, path: str, file: str) -> Schedule | None:
     if not any(k in raw for k in ("schedule", "beta", "per_layer")):
         return None
-    kind, line = raw.get("schedule", "uniform"), _line(raw)
+    kind, line = raw.get("schedule", _DEFAULT["budget", "schedule"]), _line(raw)
     if kind not in SCHEDULES:
         raise _error(file, _line(raw, "schedule"), f"{path}.schedule", f"unknown schedule {kind!r}"
                      f"{did_you_mean(str(kind), SCHEDULES)}", f"Use one of: {', '.join(SCHEDULES)}, or per_layer: [...]")
-    beta = raw.get("beta", 20.0)
+    beta = raw.get("beta", _DEFAULT["budget", "beta"])
     if "beta" in raw and kind not in ("pyramid", "funnel"):
         raise _error(file, _line(raw, "beta"), f"{path}.beta", f"beta only applies to schedule pyramid or funnel, "
                      f"not {kind}", "E.g. budget: {ratio: 0.2, schedule: pyramid, beta: 20}")
@@ -224,14 +294,14 @@ def _budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False
     schedule = _schedule(raw, path, file)
     given = [k for k in ("ratio", "tokens") if k in raw]
     if rule and not given and schedule is not None:
-        slack = raw.get("slack", 0)
+        slack = raw.get("slack", _DEFAULT["budget", "slack"])
         if not (_type_ok(slack, int) and slack >= 0):
             raise _error(file, _line(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
         return Budget(slack=slack), "slack" in raw, schedule
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
         raise _error(file, _line(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
-    ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", 0)
+    ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", _DEFAULT["budget", "slack"])
     if ratio is not None and not (_type_ok(ratio, float) and 0 < ratio <= 1):
         raise _error(file, _line(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {ratio!r}",
                      "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
@@ -276,8 +346,7 @@ def _selector(value: Any, path: str, file: str, line: int | None) -> _Selector:
             elif m and (not m[2] or int(m[1]) <= int(m[2])):
                 spans.append((int(m[1]), int(m[2]) if m[2] else -1))
             else:
-                raise _error(file, line, path, f"cannot read selector {part!r}",
-                             'Use an index (3, "-1"), a range ("0-1", "2-"), a list ("0,2,5-7" or [0, 2]) or "all"')
+                raise _error(file, line, path, f"cannot read selector {part!r}", f"Use {SELECTOR}")
     if not spans:
         raise _error(file, line, path, "empty selector", 'Use an index, a range, a list or "all"')
     return _Selector(repr(value), tuple(spans))
@@ -422,7 +491,7 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
     for key in ("name", "description"):
         if key in data and not isinstance(data[key], str):
             raise _error(file, _line(data, key), key, f"expected a string, got {data[key]!r}")
-    backend = data.get("backend", "auto")
+    backend = data.get("backend", _DEFAULT["top", "backend"])
     if backend not in BACKENDS:
         raise _error(file, _line(data, "backend"), "backend", f"unknown backend {backend!r}"
                      f"{did_you_mean(str(backend), BACKENDS)}", f"Use one of: {', '.join(BACKENDS)}")
@@ -435,7 +504,7 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
         except KVPolicyError as exc:
             raise RecipeError(f"{file}:{line}: {path}: {exc}" if line else f"{file}: {path}: {exc}") from None
 
-    cls = policy(data.get("policy", "full"), "policy", _line(data, "policy"))
+    cls = policy(data.get("policy", _DEFAULT["top", "policy"]), "policy", _line(data, "policy"))
     params = _build_params(cls, data.get("params") or {}, None, "params", file, _line(data, "params"))
     budget, _, schedule = _budget(data["budget"], "budget", file, _line(data, "budget")) if "budget" in data else (
         UNBOUNDED, False, None)
@@ -457,11 +526,12 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
                                                _line(raw, "params"))
             rules.append(_Rule(
                 path, line,
-                _selector(raw.get("layers", "all"), f"{path}.layers", file, _line(raw, "layers")),
+                _selector(raw.get("layers", RULES["heads"][0].default), f"{path}.layers", file, _line(raw, "layers")),
                 _selector(raw["heads"], f"{path}.heads", file, _line(raw, "heads")) if kind == "heads" else None,
                 rule_cls, raw.get("params"), fresh,
                 _budget(raw["budget"], f"{path}.budget", file, _line(raw, "budget"), rule=True) if "budget" in raw else None))
-    return Recipe(name=data.get("name", stem), description=data.get("description", ""), source=label,
+    return Recipe(name=data.get("name", stem), description=data.get("description", _DEFAULT["top", "description"]),
+                  source=label,
                   budget=budget, backend=backend, schedule=schedule, _file=file, _default=(cls, params, _line(data, "policy")),
                   _rules=tuple(rules))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass
 
 import pluggy
@@ -43,6 +44,13 @@ class Registry:
                 continue
             self._add_plugin(module, ep.name, source)
 
+    def add_plugin(self, module: object, name: str, source: str | None = None) -> None:
+        """Register a plugin module by hand, as its entry point would (e.g. to try it before packaging it).
+
+        Its policies are added with ``source`` (default ``plugin <name>``); a failure lands in ``broken``.
+        """
+        self._add_plugin(module, name, source or f"plugin {name}")
+
     def _add_plugin(self, module: object, name: str, source: str) -> None:
         try:
             self.manager.register(module, name=name)
@@ -78,6 +86,33 @@ class Registry:
 
     def names(self) -> list[str]:
         return sorted(self.policies)
+
+    def model_aliases(self) -> dict[str, tuple[str, str]]:
+        """Model aliases from plugins' ``kvpolicy_register_model_aliases``: alias -> (target, plugin name).
+
+        Asked afresh on each call. A hook that fails, or returns something other than a mapping of
+        names to strings or paths, is reported in ``broken`` and skipped; an alias that an earlier
+        plugin already defines keeps the earlier plugin's target (the later one is reported).
+        """
+        aliases: dict[str, tuple[str, str]] = {}
+        for impl in self.manager.hook.kvpolicy_register_model_aliases.get_hookimpls():
+            plugin = impl.plugin_name
+            try:
+                found = impl.function() or {}
+                if not isinstance(found, dict) or not all(
+                    isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in found.items()
+                ):
+                    raise TypeError(f"expected a dict of alias -> folder or alias, got {found!r}")
+            except Exception as exc:  # a broken plugin must never take kvpolicy down
+                self.broken[plugin] = f"model aliases failed: {type(exc).__name__}: {exc}"
+                continue
+            for alias, target in found.items():
+                key = alias.lower()
+                if key in aliases and aliases[key][1] != plugin:
+                    self.broken[plugin] = f"model alias {alias!r} is already defined by {aliases[key][1]}"
+                    continue
+                aliases[key] = (os.fspath(target), plugin)
+        return aliases
 
 
 _default: Registry | None = None
