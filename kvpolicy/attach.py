@@ -74,7 +74,7 @@ def kvpolicy_attention(
     def mask_for(lo: int, hi: int, width: int) -> torch.Tensor:
         return layer.key_mask(query_positions[:, lo:hi], width, sliding_window)
 
-    keys, values = layer.keys[:, :, :slots], layer.values[:, :, :slots]
+    keys, values = layer.attention_kv()  # dense storage, or a ragged layer's padded copy (cache.py)
     if layer.in_cache_heads is not None:
         query, keys = _in_cache_positions(layer, query, keys, query_positions, start)
     if layer.needs:

@@ -1,12 +1,43 @@
 """`PolicyCache`: a transformers `Cache` whose layers really evict.
 
-Storage per layer is ``[batch, kv_heads, slots, head_dim]`` with a validity flag and
-the token's position per slot, so every (batch row, KV head) may keep its own set of
-tokens. New tokens are appended at a common slot offset; eviction keeps each head's
-top-scoring tokens and packs them into the first slots by moving the few survivors
-that sit past the new length into the holes (a decode step moves one token per head,
-not the whole cache). After the prompt, storage shrinks to the budget, so the memory
-is freed rather than masked.
+Storage per layer starts *dense*: ``[batch, kv_heads, slots, head_dim]`` with a validity
+flag and the token's position per slot, so every (batch row, KV head) "cell" may keep its
+own set of tokens. New tokens are appended at a common slot offset; eviction keeps each
+cell's top-scoring tokens and packs them into its first slots by moving the few survivors
+that sit past the new length into the holes (a decode step moves one token per cell, not
+the whole cache). After the prompt, storage shrinks to the budget, so the memory is freed
+rather than masked.
+
+Dense storage gives every cell the room of the largest one. When the cells of a layer keep
+different numbers of tokens (per-head budgets from a recipe's ``heads:`` rules, a policy that
+splits the budget among heads such as AdaKV, ratio budgets over prompts of different
+lengths, a full-cache row next to evicting ones), the layer switches to *ragged* storage
+at the compaction that makes them differ, if equal-width storage would hold more than
+`RAGGED_MIN_SAVING` more slots:
+
+* K and V live in one flat buffer per layer, ``[sum of capacities, head_dim]``; cell ``c``
+  owns the contiguous segment ``[offset[c], offset[c] + cap[c])``, sized to its budget
+  plus ``slack`` plus one slot for the token a decode step appends before it evicts.
+  Between forward passes a cell's ``n[c]`` tokens sit at the start of its segment.
+* The per-slot metadata (``valid``, ``positions``, policy ``state``: a few bytes per token
+  against ``2 * head_dim * dtype`` bytes of K/V) keeps the dense ``[B, Hkv, slots]``
+  layout, so policies, statistics and masks work unchanged: slot ``s < n[c]`` of cell ``c``
+  is flat row ``offset[c] + s``; a forward pass appends its tokens at the common slots
+  ``[used, used + q)`` of the metadata and at ``offset[c] + n[c] + i`` of each cell's segment.
+  The metadata is counted in the memory report (``metadata_bytes``).
+* Attention reads a dense padded copy of the one layer being computed (a gather; cells
+  with fewer tokens padded with masked slots): transient workspace, one layer at a time,
+  reported as ``workspace_kv_bytes``, not cache. Both the torch reference and the Triton
+  kernels take that copy as they take dense storage (the kernels could read the segments
+  through per-cell base offsets instead; not done yet).
+* After each pass the cell's tokens are packed back to the start of its segment. A decode
+  step moves at most one K/V row per cell: the new token lands in the slot of the evicted
+  one (or stays put when the cell is under budget). A segment that runs out of room (a
+  full-cache cell that keeps growing, a long prompt chunk) triggers a re-layout of the
+  layer with amortized headroom; after a compaction the buffer shrinks back when it holds
+  more than 1/16 over its cells' targets.
+
+Dense layers (every cell alike, the common case) keep the dense layout and its fast paths.
 """
 
 from __future__ import annotations
@@ -25,6 +56,9 @@ from .policies.base import AttentionStats, Policy, TokenView
 # The attention function gets no handle to the cache, so each layer announces itself
 # here in `update`, right before the model calls attention for that same layer.
 _active = threading.local()
+
+#: A layer goes ragged when equal-width storage would hold this much more than per-cell segments.
+RAGGED_MIN_SAVING = 1 / 16
 
 
 def active_layer(layer_idx: int) -> PolicyLayer | None:
@@ -80,6 +114,19 @@ class PolicyLayer(CacheLayerMixin):
         self.pending: tuple[int, int] | None = None  # (first slot, count) of tokens appended by this forward
         self.evictions = 0
         self.backend = "torch"  # set by the session: "torch" or "triton" for the tracking attention
+        # policies that split a row's budget among their heads (AdaKV), once per row at its first eviction
+        self.allocating = [g for g in groups if g.policy.allocates]
+        self.allocated: torch.Tensor | None = None  # [B, Hkv] bool: cells whose budgets are fixed
+        self._allocation_done = False
+        # ragged storage (see the module docstring); None/0 while the layer is dense
+        self.ragged = False
+        self.offset: torch.Tensor | None = None  # [B, Hkv] first flat row of each cell's segment
+        self.cap: torch.Tensor | None = None  # [B, Hkv] rows in each cell's segment
+        self.cell_tokens: torch.Tensor | None = None  # [B, Hkv] tokens at the start of each segment
+        self.room = 0  # min over cells of cap - cell_tokens, between forward passes
+        self.appended = 0  # slot of the first token appended by the last forward (ragged bookkeeping)
+        self._view: tuple[torch.Tensor, torch.Tensor] | None = None  # the dense copy attention reads
+        self.workspace_bytes = 0  # largest such copy so far
 
     # --- storage -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -99,10 +146,11 @@ class PolicyLayer(CacheLayerMixin):
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2]
+        """Slots per cell in the metadata (and in K/V while the layer is dense)."""
+        return self.valid.shape[2]
 
     def _reallocate(self, capacity: int) -> None:
-        """Move storage to ``capacity`` slots (grow, or shrink to free memory)."""
+        """Move storage to ``capacity`` slots (grow, or shrink to free memory); ragged K/V stay as they are."""
 
         def resize(tensor: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
             shape = (*tensor.shape[:2], capacity, *tensor.shape[3:])
@@ -111,13 +159,16 @@ class PolicyLayer(CacheLayerMixin):
             fresh[:, :, :keep] = tensor[:, :, :keep]
             return fresh
 
-        self.keys, self.values = resize(self.keys, 0), resize(self.values, 0)
+        if not self.ragged:
+            self.keys, self.values = resize(self.keys, 0), resize(self.values, 0)
         self.positions, self.valid = resize(self.positions, -1), resize(self.valid, False)
         self.state = {name: resize(tensor, 0) for name, tensor in self.state.items()}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.ragged:
+            return self._ragged_update(key_states, value_states)
         count = key_states.shape[2]
         needed = self.used + count + 1  # +1: a scratch slot for no-op moves in `_compact`
         if needed > self.capacity:
@@ -134,6 +185,12 @@ class PolicyLayer(CacheLayerMixin):
         self.seen += count
         self.pending = (start, count)
         _active.layer = self
+        return self.keys[:, :, : self.used], self.values[:, :, : self.used]
+
+    def attention_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the slots in use as [B, Hkv, used, D]: views of dense storage, or the ragged layer's copy."""
+        if self._view is not None:
+            return self._view
         return self.keys[:, :, : self.used], self.values[:, :, : self.used]
 
     # --- called by the attention function --------------------------------------------------------
@@ -178,7 +235,9 @@ class PolicyLayer(CacheLayerMixin):
             for b in range(batch)
         ]
         self.budget = torch.tensor(budget, dtype=torch.long, device=self.device)
-        if bool(self.bounded_cells.all()) and int(self.budget.min()) == int(self.budget.max()):
+        if self.allocating:
+            self.allocated = torch.zeros_like(self.budget, dtype=torch.bool)
+        elif bool(self.bounded_cells.all()) and int(self.budget.min()) == int(self.budget.max()):
             self.uniform_limit = int(self.budget.max())
 
     def key_mask(self, query_positions: torch.Tensor, slots: int, sliding_window: int | None) -> torch.Tensor:
@@ -196,8 +255,10 @@ class PolicyLayer(CacheLayerMixin):
             for group in self.groups:
                 if group.policy.needs:
                     group.policy.observe(self._group_state(group), stats)
+        self.appended = self.pending[0]
         self.pending = None
         _active.layer = None
+        self._view = None
         self._evict()
 
     def _group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
@@ -232,7 +293,12 @@ class PolicyLayer(CacheLayerMixin):
                     return
         count = self.valid[:, :, : self.used].sum(dim=2)
         unbounded = ~self.bounded_cells.to(self.device)
+        if self.allocated is not None and not self.allocation_done:
+            self._allocate(count, unbounded)
         limit = torch.where(unbounded, count, self.budget)
+        if self.ragged:
+            self._ragged_evict(count, limit)
+            return
         packed = int(count.min()) == self.used  # every head's tokens fill slots [0, used)
         # gaps left by rows that keep fewer tokens are harmless (masked); pads just appended are not kept
         if not self.appended_pads and int((count - limit).max()) <= self.slack:
@@ -244,9 +310,210 @@ class PolicyLayer(CacheLayerMixin):
             self._drop_one(scores)  # the decode step: one token out per head
         else:
             self._compact(scores, keep)
+            if self.bounded and self._ragged_pays(keep):
+                self._to_ragged(keep)
+                self.evictions += 1
+                return
         self.evictions += 1
         target = int(keep.max()) + self.slack + 2  # room for the next token and the scratch slot
         if self.bounded and self.capacity > target + max(16, target // 8):
+            self._reallocate(target)
+
+    def _allocate(self, count: torch.Tensor, unbounded: torch.Tensor) -> None:
+        """Let budget-splitting policies set the budgets of rows at their first eviction; fixed afterwards."""
+        over = (count - torch.where(unbounded, count, self.budget)) > self.slack
+        view = TokenView(
+            positions=self.positions[:, :, : self.used],
+            valid=self.valid[:, :, : self.used],
+            seen=self.real_seen,
+            budget=self.budget,
+        )
+        budget = self.budget
+        for group in self.allocating:
+            heads = group.heads.to(self.device).expand_as(over)
+            rows = (over & heads).any(dim=1) & (heads & ~self.allocated).any(dim=1)
+            if not bool(rows.any()):
+                continue
+            cells = heads & rows[:, None]
+            given = group.policy.allocate(self._group_state(group), view, cells)
+            if not isinstance(given, torch.Tensor) or given.shape != cells.shape:
+                shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+                raise KVPolicyError(
+                    f"policy {group.policy.name!r} allocated budgets of shape {shape}; expected [batch, kv_heads] = "
+                    f"{tuple(cells.shape)}"
+                )
+            budget = torch.where(cells, given.to(budget).clamp(min=0), budget)
+            self.allocated |= cells
+        self.budget = budget
+
+    @property
+    def allocation_done(self) -> bool:
+        """Every cell of a budget-splitting policy has its budget fixed (a sync; only asked while pending)."""
+        if self._allocation_done:
+            return True
+        owned = torch.stack([g.heads.to(self.device).expand_as(self.allocated) for g in self.allocating]).any(dim=0)
+        self._allocation_done = bool((self.allocated | ~owned).all())
+        return self._allocation_done
+
+    # --- ragged storage (module docstring) --------------------------------------------------------
+    def _targets(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Segment size [B, Hkv] for cells holding ``tokens``: budget + slack + 1, or amortized growth when unbounded."""
+        bounded = self.bounded_cells.to(self.device).expand_as(tokens)
+        grow = tokens + torch.clamp(tokens // 16, min=16)
+        return torch.where(bounded, torch.maximum(self.budget, tokens) + self.slack + 1, grow)
+
+    def _ragged_pays(self, keep: torch.Tensor) -> bool:
+        targets = self._targets(keep)
+        return int(targets.max()) * targets.numel() > (1 + RAGGED_MIN_SAVING) * int(targets.sum())
+
+    def _segments(self, caps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        caps = caps.clamp(min=1)
+        flat = caps.reshape(-1)
+        return caps, (torch.cumsum(flat, 0) - flat).view_as(caps), int(flat.sum())
+
+    def _to_ragged(self, keep: torch.Tensor) -> None:
+        """Dense -> ragged, right after a compaction packed each cell's ``keep`` tokens into slots [0, keep)."""
+        caps, offset, total = self._segments(self._targets(keep))
+        width = int(keep.max())
+        slot = torch.arange(width, device=self.device)
+        present = slot < keep[..., None]
+        rows = (offset[..., None] + slot)[present]
+        flat = []
+        for tensor in (self.keys, self.values):
+            fresh = tensor.new_zeros(total, tensor.shape[-1])
+            fresh.index_copy_(0, rows, tensor[:, :, :width][present])
+            flat.append(fresh)
+        self.keys, self.values = flat
+        self.ragged, self.offset, self.cap, self.cell_tokens = True, offset, caps, keep.clone()
+        self.packed_tokens, self.uniform_limit = None, None
+        self.room = int((caps - keep).min())
+        target = width + self.slack + 2
+        if self.capacity > target + max(16, target // 8):
+            self._reallocate(target)
+
+    def _relayout(self, caps: torch.Tensor) -> None:
+        """Move every cell's tokens into fresh segments of ``caps`` rows (grow or shrink)."""
+        caps, offset, total = self._segments(caps)
+        tokens = self.cell_tokens
+        slot = torch.arange(int(tokens.max()), device=self.device)
+        present = slot < tokens[..., None]
+        src, dst = (self.offset[..., None] + slot)[present], (offset[..., None] + slot)[present]
+        flat = []
+        for tensor in (self.keys, self.values):
+            fresh = tensor.new_zeros(total, tensor.shape[-1])
+            fresh.index_copy_(0, dst, tensor.index_select(0, src))
+            flat.append(fresh)
+        self.keys, self.values = flat
+        self.offset, self.cap = offset, caps
+        self.room = int((caps - tokens).min())
+
+    def _ragged_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Append at each cell's own next segment row; return the dense copy of the layer attention reads."""
+        batch, heads, count, _ = key_states.shape
+        if count > self.room:
+            needed = self.cell_tokens + count
+            bounded = self.bounded_cells.to(self.device).expand_as(needed)
+            grown = torch.where(bounded, needed, needed + torch.clamp(needed // 16, min=16))
+            self._relayout(torch.where(self.cap >= needed, self.cap, grown))
+        start = self.used
+        if start + count > self.capacity:
+            needed = start + count
+            self._reallocate(needed + max(16, needed // 8))
+        home = self.offset + self.cell_tokens
+        rows = (home[..., None] + torch.arange(count, device=self.device)).reshape(-1)
+        self.keys.index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]).to(self.keys.dtype))
+        self.values.index_copy_(0, rows, value_states.reshape(-1, value_states.shape[-1]).to(self.values.dtype))
+        self.valid[:, :, start : start + count] = True
+        for tensor in self.state.values():
+            tensor[:, :, start : start + count] = 0
+        self.used += count
+        self.seen += count
+        self.past_packed = False
+        self.pending = (start, count)
+        _active.layer = self
+        # slot s of a cell: its row s below its token count, then (gap: any row, masked) this pass's rows
+        slot = torch.arange(self.used, device=self.device)
+        tokens = self.cell_tokens[..., None]
+        local = torch.where(slot < tokens, slot, torch.where(slot >= start, tokens + slot - start, 0))
+        index = (self.offset[..., None] + local).reshape(-1)
+        keys = self.keys.index_select(0, index).view(batch, heads, self.used, -1)
+        values = self.values.index_select(0, index).view(batch, heads, self.used, -1)
+        self._view = (keys, values)
+        self.workspace_bytes = max(self.workspace_bytes, _storage_bytes(keys) + _storage_bytes(values))
+        return keys, values
+
+    def _ragged_evict(self, count: torch.Tensor, limit: torch.Tensor) -> None:
+        if not self.appended_pads and int((count - limit).max()) <= self.slack:
+            scores, keep = None, count  # nothing to drop: only pack this pass's tokens into their segments
+        else:
+            scores = self._scores()
+            keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))
+            self.evictions += 1
+        one_step = self.used - self.appended == 1 and not self.appended_pads
+        if one_step and (scores is None or int((count - keep).max()) <= 1):
+            self._ragged_step(scores, count > keep)
+        else:
+            self._ragged_compact(scores, keep)
+
+    def _ragged_step(self, scores: torch.Tensor | None, drop: torch.Tensor) -> None:
+        """A decode step: the new token (common slot ``appended``) fills the evicted slot, or the cell's next one."""
+        new, tokens, offset = self.appended, self.cell_tokens, self.offset
+        if scores is None:
+            victim = tokens
+        else:
+            victim = scores.masked_fill(~self.valid[:, :, : self.used], torch.inf).argmin(dim=2)
+        gone = drop & (victim == new)  # the new token itself is evicted
+        dst = torch.where(drop, victim, tokens)
+        src = torch.full_like(dst, new)[..., None]
+        self.positions = _move(self.positions, src, dst[..., None])
+        self.state = {name: _move(tensor, src, dst[..., None]) for name, tensor in self.state.items()}
+        leaves = (dst != new) | gone
+        self.valid[:, :, new] &= ~leaves
+        self.positions[:, :, new].masked_fill_(leaves, -1)
+        self.valid.scatter_(2, dst[..., None], ~gone[..., None])
+        rows = (offset + torch.where(drop & ~gone, victim, tokens)).reshape(-1)
+        home = (offset + tokens).reshape(-1)
+        for tensor in (self.keys, self.values):
+            tensor.index_copy_(0, rows, tensor.index_select(0, home))
+        self.cell_tokens = tokens + 1 - drop.long()
+        self.used, self.room = torch.stack([self.cell_tokens.max(), (self.cap - self.cell_tokens).min()]).tolist()
+
+    def _ragged_compact(self, scores: torch.Tensor | None, keep: torch.Tensor) -> None:
+        """Keep ``keep`` [B, Hkv] tokens per cell (the best ``scores``, or every valid one when None), packed."""
+        used, start = self.used, self.appended
+        valid = self.valid[:, :, :used]
+        if scores is None:
+            kept = valid
+        else:
+            kmax = int(keep.max())
+            top = torch.topk(scores, kmax, dim=2, sorted=True).indices
+            chosen = torch.arange(kmax, device=self.device) < keep[..., None]
+            kept = torch.zeros_like(valid).scatter_(2, top, chosen)
+        width = int(keep.max())
+        order = torch.sort((~kept).to(torch.int8), dim=2, stable=True).indices[..., :width]  # kept slots, in order
+        slot = torch.arange(width, device=self.device)
+        present = slot < keep[..., None]
+        tokens, offset = self.cell_tokens[..., None], self.offset[..., None]
+        src = offset + torch.where(order < tokens, order, tokens + order - start)
+        dst = offset + slot
+        move = present & (src != dst)
+        if bool(move.any()):
+            src, dst = src[move], dst[move]
+            for tensor in (self.keys, self.values):
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+        self.positions[:, :, :width] = self.positions[:, :, :used].gather(2, order).masked_fill_(~present, -1)
+        self.positions[:, :, width:used] = -1
+        for tensor in self.state.values():
+            tensor[:, :, :width] = tensor[:, :, :used].gather(2, order).masked_fill_(~present, 0)
+        self.valid[:, :, :used] = torch.arange(used, device=self.device) < keep[..., None]
+        self.cell_tokens, self.used = keep.clone(), width
+        targets = self._targets(keep)
+        if self.keys.shape[0] > (1 + RAGGED_MIN_SAVING) * int(targets.sum()):
+            self._relayout(targets)
+        else:
+            self.room = int((self.cap - keep).min())
+        target = width + self.slack + 2
+        if self.capacity > target + max(16, target // 8):
             self._reallocate(target)
 
     def _drop_one(self, scores: torch.Tensor) -> None:
@@ -308,6 +575,8 @@ class PolicyLayer(CacheLayerMixin):
         self.keys = self.values = None
         self.budget, self.seen, self.used, self.pending = None, 0, 0, None
         self.packed_tokens, self.uniform_limit = 0, None
+        self.allocated, self._allocation_done = None, False
+        self.ragged, self.offset, self.cap, self.cell_tokens, self.room, self._view = False, None, None, None, 0, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise KVPolicyError("beam search is not supported with a kvpolicy cache; use greedy or sampling")
@@ -334,16 +603,21 @@ class PolicyLayer(CacheLayerMixin):
 
     def memory(self) -> dict[str, int]:
         if not self.is_initialized:
-            return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0, "tokens_max": 0}
+            return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0, "tokens_max": 0,
+                    "ragged": 0, "workspace_kv_bytes": 0}
         tokens = self.valid.sum(dim=2)
         per_token = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
         metadata = [self.positions, self.valid, *self.state.values()]
+        if self.ragged:
+            metadata += [self.offset, self.cap, self.cell_tokens]
         return {
             "live_kv_bytes": int(tokens.sum()) * per_token,
             "allocated_kv_bytes": _storage_bytes(self.keys) + _storage_bytes(self.values),
             "metadata_bytes": sum(_storage_bytes(t) for t in metadata),
             "tokens_min": int(tokens.min()),
             "tokens_max": int(tokens.max()),
+            "ragged": int(self.ragged),
+            "workspace_kv_bytes": self.workspace_bytes,
         }
 
 

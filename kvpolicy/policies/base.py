@@ -84,6 +84,9 @@ class Policy:
     drops_early: ClassVar[bool] = False
     #: Rows W of ``last_rows`` the policy needs (only read when "last_rows" in needs).
     last_rows_window: int = 0
+    #: True if the policy splits a batch row's budget among its KV heads itself (``allocate``, e.g.
+    #: AdaKV); the recipe's per-head budgets then only fix each row's total over the policy's heads.
+    allocates: ClassVar[bool] = False
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -98,6 +101,18 @@ class Policy:
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         """Keep-priority per slot, ``[B, Hkv, T]``; higher is kept."""
         raise NotImplementedError
+
+    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
+        """Per-(row, KV head) budgets ``[B, Hkv]`` (int64) for ``cells`` (``[B, Hkv]`` bool), only if ``allocates``.
+
+        The cache calls it once per batch row, at the row's first eviction (the prefill when
+        the prompt is over budget), with ``view.budget`` holding the recipe's budgets and
+        ``cells`` this policy's (row, KV head) cells of the rows being allocated. Entries
+        outside ``cells`` are ignored. The budgets returned are fixed from then on; the cache
+        then keeps each cell's top ``score`` tokens as usual, and stores each cell in memory
+        sized to its own budget (ragged storage) when the cells of a layer differ enough.
+        """
+        return view.budget
 
 
 def check_params(policy_cls: type[Policy], params: Any) -> None:
