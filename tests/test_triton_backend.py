@@ -5,6 +5,9 @@ Triton decides between compiling and interpreting when it is first imported, so
 same pytest run imported triton earlier without it, the kernel tests re-run this file in
 a subprocess instead (see `test_rerun_in_subprocess`).
 
+On a GPU, ``KVPOLICY_TEST_DEVICE=cuda`` runs the same cases compiled on the device
+(`benchmarks/gpu_check.sh` does so); the interpreter is then left off.
+
 Tolerances (the same fp32 math on the same rounded inputs, so tight for every dtype):
 statistics atol/rtol 2e-5 (``below_uniform``: counts / G, equal up to rounding); output
 fp32 1e-5, fp16 2e-3 (1 ulp of the fp16 result), bf16 1e-2 / 1.6e-2 (1 ulp of bf16).
@@ -21,9 +24,12 @@ import sys
 from pathlib import Path
 
 _ORIGINAL_INTERPRET = os.environ.get("TRITON_INTERPRET")
+DEVICE = os.environ.get("KVPOLICY_TEST_DEVICE", "cpu")
+ON_GPU = DEVICE.startswith("cuda")
 # triton imported earlier in this process without the interpreter cannot run kernels on CPU
-_TRITON_PREIMPORTED = "triton" in sys.modules and _ORIGINAL_INTERPRET != "1"
-os.environ["TRITON_INTERPRET"] = "1"
+_TRITON_PREIMPORTED = "triton" in sys.modules and _ORIGINAL_INTERPRET != "1" and not ON_GPU
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -43,6 +49,15 @@ OUT_TOL = {
     torch.float16: dict(atol=2e-3, rtol=1e-3),
     torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2),
 }
+if ON_GPU:
+    # compiled fp16/bf16 dots round P to the value dtype before P @ V (the reference keeps fp32), and
+    # the GPU's exp2 / accumulation order differ from the CPU's in the last bits
+    STAT_TOL = dict(atol=1e-4, rtol=1e-4)
+    OUT_TOL = {
+        torch.float32: dict(atol=2e-5, rtol=2e-5),
+        torch.float16: dict(atol=4e-3, rtol=4e-3),
+        torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    }
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,10 +100,11 @@ def make_case(
     query_positions = torch.where(query_valid, seen + ranks, -1)
     positions[:, :, past : past + queries] = query_positions[:, None, :]
     valid[:, :, past : past + queries] = query_valid[:, None, :]
-    return dict(
+    case = dict(
         query=query, keys=keys, values=values, valid=valid, key_positions=positions,
         query_positions=query_positions, query_valid=query_valid if pads else None, past_slots=past,
     )
+    return {name: value.to(DEVICE) if isinstance(value, torch.Tensor) else value for name, value in case.items()}
 
 
 def reference(case, needs, last_rows, sliding_window=None, packed=False):
@@ -137,9 +153,22 @@ def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decod
                 continue
             theirs = getattr(ref, name)
             assert mine.dtype == torch.float32 and mine.shape == theirs.shape, (mode, name)
+            if name == "below_uniform" and ON_GPU:
+                assert_counts_close(mine, theirs, case, mode)
+                continue
             torch.testing.assert_close(
                 mine, theirs, **STAT_TOL, msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}"
             )
+
+
+def assert_counts_close(mine, theirs, case, mode):
+    """below_uniform on a GPU: a probability within rounding of 1/n may fall on either side of it.
+
+    Such a flip moves one (query, query head) count by 1/G; allow it on at most 5% of the tokens."""
+    groups = case["query"].shape[1] // case["keys"].shape[1]
+    diff = (mine - theirs).abs()
+    assert float(diff.max()) <= 1 / groups + 1e-5, f"{mode} below_uniform: {float(diff.max())} > 1/G"
+    assert float((diff > 1e-5).float().mean()) <= 0.05, f"{mode} below_uniform: too many flips"
 
 
 # --- kernels against the reference ------------------------------------------------------------------
@@ -186,13 +215,16 @@ def test_head_and_row_with_no_visible_key():
 def test_pad_queries_add_nothing_even_where_they_see_keys():
     """query_valid False is what silences a query's statistics (its output is free to be anything)."""
     case = make_case(groups=3, dim=64, past=20, queries=5, seed=14)
-    case["query_valid"] = torch.tensor([[False, True, True, False, True], [True] * 5])
+    case["query_valid"] = torch.tensor([[False, True, True, False, True], [True] * 5], device=DEVICE)
     needs = ALL_STATS
     _, ref = reference(case, needs, 5)
     for mode in ("decode", "prefill"):
         _, stats = triton_run(case, needs, 5, mode=mode)
         assert torch.equal(stats.queries, ref.queries)
         for name in ("colsum", "colsum_sq", "below_uniform", "last_rows"):
+            if name == "below_uniform" and ON_GPU:
+                assert_counts_close(stats.below_uniform, ref.below_uniform, case, mode)
+                continue
             torch.testing.assert_close(
                 getattr(stats, name), getattr(ref, name), **STAT_TOL,
                 msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}",
@@ -277,8 +309,9 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
     from kvpolicy.plan import Budget
 
-    model = tiny_model("llama")  # 6 query heads over 2 KV heads (G=3), head dim 16
-    ids, mask = padded_batch(lengths=(17, 12, 9))
+    model = tiny_model("llama").to(DEVICE)  # 6 query heads over 2 KV heads (G=3), head dim 16
+    ids, mask = (tensor.to(DEVICE) for tensor in padded_batch(lengths=(17, 12, 9)))
+    monkeypatch.setenv("KVPOLICY_BACKEND", "torch")  # the reference run (auto would pick triton on a GPU)
     steps = 8
     layers = range(model.config.num_hidden_layers)
 
@@ -345,6 +378,7 @@ def test_select_backend_environment_overrides_the_recipe(monkeypatch):
 
 # --- the GPU benchmark's logic, at toy sizes --------------------------------------------------------
 @in_process
+@pytest.mark.skipif(ON_GPU, reason="the benchmark itself runs on the GPU")
 def test_gpu_benchmark_interpret_smoke():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_attention.py"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
