@@ -1,4 +1,4 @@
-"""Deliberately naive references for H2O, Scissorhands, RoCo, TOVA and SnapKV (brute force, explicit attention).
+"""Deliberately naive references for H2O, Scissorhands, RoCo, TOVA, SnapKV and AdaKV (brute force, explicit attention).
 
 Every K/V stays in a DynamicCache, eviction is simulated with
 Python sets of (padded) indices, attention is computed one query head and one key at a
@@ -132,24 +132,65 @@ class BruteForceSnapKV(BruteForce):
         self.window, self.kernel, self.pooling, self.decode = window, kernel, pooling, decode
 
     def rule(self, layer, b, calls):
-        for h, (new, rows) in calls.items():
-            data = self.data.setdefault((layer, b, h), {"obs": {}, "prompt": set()})
+        for h in calls:
+            self.keep_best(layer, b, h, key=self.snap_key(layer, b, h, calls[h]))
+
+    def snap_key(self, layer, b, h, call):
+        """Update the head's window scores from this call; return its keep-priority key over kept indices."""
+        new, rows = call
+        data = self.data.setdefault((layer, b, h), {"obs": {}, "prompt": set()})
+        kept = self.kept[(layer, b, h)]
+        if len(rows) > self.window:  # a prompt: score everything by the observation window
+            observers = rows[-self.window :]
+            data["obs"] = {j: sum(mean(head.get(j, 0.0) for head in heads) for _, _, heads in observers) for j in kept}
+            data["prompt"] = set(kept) - set(new[-self.window :])
+        elif self.decode == "evict_oldest":
+            data["prompt"] = set()
+        prompt = sorted(j for j in kept if j in data["prompt"])  # in position order
+        obs = [data["obs"][j] for j in prompt]
+        pad = self.kernel // 2
+        padded = [0.0] * pad + obs + [0.0] * pad
+        windows = [padded[k : k + self.kernel] for k in range(len(obs))]
+        pooled = [sum(w) / self.kernel if self.pooling == "avg" else max(w) for w in windows]
+        score = dict(zip(prompt, pooled, strict=True))
+        # prompt tokens by pooled score (ties: the older goes), below every window/generated token (by recency)
+        return lambda j: (0, score[j], j) if j in score else (1, 0.0, j)
+
+
+class BruteForceAdaKV(BruteForceSnapKV):
+    """Feng et al.: SnapKV's scores; at a row's first eviction each head keeps floor(alpha * budget) of its
+    own best, the rest of the layer's heads x budget go to the best (head, token) pairs; fixed afterwards."""
+
+    name = "adakv_bruteforce"
+
+    def __init__(self, budget, window, kernel, alpha, pooling="avg", decode="keep"):
+        super().__init__(budget, window, kernel, pooling, decode)
+        self.alpha = alpha
+
+    def rule(self, layer, b, calls):
+        keys = {h: self.snap_key(layer, b, h, calls[h]) for h in calls}
+        budgets = self.data.get((layer, b, "budgets"))
+        if budgets is None and any(len(self.kept[(layer, b, h)]) > self.budget for h in calls):
+            budgets = self.data[(layer, b, "budgets")] = self.allocate(layer, b, keys)
+        for h in calls:
             kept = self.kept[(layer, b, h)]
-            if len(rows) > self.window:  # a prompt: score everything by the observation window
-                observers = rows[-self.window :]
-                data["obs"] = {j: sum(mean(head.get(j, 0.0) for head in heads) for _, _, heads in observers) for j in kept}
-                data["prompt"] = set(kept) - set(new[-self.window :])
-            elif self.decode == "evict_oldest":
-                data["prompt"] = set()
-            prompt = sorted(j for j in kept if j in data["prompt"])  # in position order
-            obs = [data["obs"][j] for j in prompt]
-            pad = self.kernel // 2
-            padded = [0.0] * pad + obs + [0.0] * pad
-            windows = [padded[k : k + self.kernel] for k in range(len(obs))]
-            pooled = [sum(w) / self.kernel if self.pooling == "avg" else max(w) for w in windows]
-            score = dict(zip(prompt, pooled, strict=True))
-            # prompt tokens by pooled score (ties: the older goes), below every window/generated token (by recency)
-            self.keep_best(layer, b, h, key=lambda j: (0, score[j], j) if j in score else (1, 0.0, j))
+            keep = budgets[h] if budgets else self.budget
+            if len(kept) > keep:
+                kept.intersection_update(sorted(kept, key=keys[h], reverse=True)[:keep])
+
+    def allocate(self, layer, b, keys):
+        floor = math.floor(self.alpha * self.budget)
+        forced, pool = {}, []
+        for h, key in keys.items():
+            ranked = sorted(self.kept[(layer, b, h)], key=key, reverse=True)
+            pinned = sum(1 for j in ranked if key(j)[0] == 1)
+            forced[h] = min(max(floor, pinned), self.budget, len(ranked))
+            for j in ranked[forced[h] :]:
+                kind, pooled, _ = key(j)
+                pool.append((math.inf if kind == 1 else pooled, self.position[b][j], -h))
+        rest = self.budget * len(keys) - sum(forced.values())
+        chosen = sorted(pool, reverse=True)[:rest]  # best score, then the newer token, then the lower head
+        return {h: forced[h] + sum(1 for *_, g in chosen if -g == h) for h in keys}
 
 
 class BruteForceScissorhands(BruteForce):

@@ -1,4 +1,4 @@
-"""Every built-in evicting policy on the cache: budgets held; Scissorhands, RoCo, TOVA and SnapKV: parity, what they keep."""
+"""Every built-in evicting policy on the cache: budgets held; Scissorhands, RoCo, TOVA, SnapKV, AdaKV: parity, what they keep."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ POLICIES = [
     ("snapkv", {"window": 4, "pooling": "max", "decode": "evict_oldest"}),
     ("scissorhands", {"history_window": 8, "recent": 2}),
     ("roco", {"sink_length": 1, "recent_tokens": 2, "recent_ratio": 0.3}),
+    ("adakv", {"window": 2, "kernel": 3}),
+    ("adakv", {"window": 3, "pooling": "max", "alpha": 0.5, "decode": "evict_oldest"}),
 ]
 
 # the budget test covers the core policies too
@@ -39,6 +41,17 @@ def test_budget_held_after_prefill_and_every_step(policy, params, budget, arch):
     session.detach()
     expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
     assert len(recorder.steps) == 12
+    if get_registry().get(policy).allocates:
+        # head-wise budgets (AdaKV): each row's heads share heads x budget; each head's share, at least
+        # floor(alpha x budget), is set at the prefill (every prompt here is over budget) and then held
+        heads = recorder.steps[0][0].shape[1]
+        floor = torch.floor(expected * params.get("alpha", 0.2)).long()
+        for step, counts in enumerate(recorder.steps):
+            for layer_counts, first in zip(counts, recorder.steps[0], strict=True):
+                assert torch.equal(layer_counts.sum(dim=1), expected * heads), f"step {step}"
+                assert torch.equal(layer_counts, first) and bool((layer_counts >= floor[:, None]).all()), f"step {step}"
+        assert any(len(set(row.tolist())) > 1 for layer_counts in recorder.steps[0] for row in layer_counts)
+        return
     for step, counts in enumerate(recorder.steps):
         for layer_counts in counts:
             assert torch.equal(layer_counts, expected[:, None].expand_as(layer_counts)), f"step {step}"
@@ -154,6 +167,8 @@ def test_tova_one_selection_per_layer():
         ("snapkv", {"pooling": "mean"}, "pooling"),
         ("snapkv", {"decode": "drop"}, "decode"),
         ("snapkv", {"window": 0}, "window"),
+        ("adakv", {"alpha": 1.5}, "alpha"),
+        ("adakv", {"kernel": 2}, "odd"),
         ("scissorhands", {"history_window": 0}, "history_window"),
         ("scissorhands", {"recent": -1}, "recent"),
         ("roco", {"recent_ratio": 1.5}, "recent_ratio"),

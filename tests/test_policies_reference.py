@@ -1,4 +1,4 @@
-"""Scissorhands, RoCo, TOVA and SnapKV keep exactly what a brute-force reference keeps, at every step.
+"""Scissorhands, RoCo, TOVA, SnapKV and AdaKV keep exactly what a brute-force reference keeps, at every step.
 
 Each reference (tests/policy_references.py) computes attention by hand over Python sets
 and applies the paper's rule to Python floats; kvpolicy must keep the same positions per
@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 from helpers import run_against_reference, uniform_plan
-from policy_references import BruteForceRoCo, BruteForceScissorhands, BruteForceSnapKV, BruteForceTOVA
+from policy_references import (
+    BruteForceAdaKV,
+    BruteForceRoCo,
+    BruteForceScissorhands,
+    BruteForceSnapKV,
+    BruteForceTOVA,
+)
 from tiny_models import padded_batch, tiny_model
 
 from kvpolicy.plan import Budget
@@ -44,9 +50,20 @@ CASES = {
         lambda: BruteForceRoCo(6, recent_ratio=0.2, sink_length=2, recent_tokens=3),
         "roco", Budget(tokens=6), {"recent_ratio": 0.2, "sink_length": 2, "recent_tokens": 3},
     ),
+    # AdaKV: per-head budgets summing to heads x 8 per layer and row, set at the row's first eviction: the
+    # prefill for the 17- and 12-token prompts; for the 6-token one (a scored prompt under budget) at the
+    # third decode step, when its window and generated tokens are pinned and 3 prompt tokens compete
+    "adakv": (
+        lambda: BruteForceAdaKV(8, window=3, kernel=3, alpha=0.2),
+        "adakv", Budget(tokens=8), {"window": 3, "kernel": 3, "alpha": 0.2},
+    ),
+    "adakv-max-half": (
+        lambda: BruteForceAdaKV(9, window=2, kernel=5, alpha=0.5, pooling="max", decode="evict_oldest"),
+        "adakv", Budget(tokens=9), {"window": 2, "kernel": 5, "alpha": 0.5, "pooling": "max", "decode": "evict_oldest"},
+    ),
 }
 # the short prompt of the snapkv cases (3 tokens) is no longer than the window: nothing to score
-LENGTHS = {"snapkv": (17, 12, 3)}
+LENGTHS = {"snapkv": (17, 12, 3), "adakv": (17, 12, 6)}
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
@@ -58,6 +75,10 @@ def test_matches_bruteforce(case, arch):
 
     steps = run_against_reference(model, make_reference(), uniform_plan(model, policy, budget, **params), ids, mask, STEPS)
     assert all(len(head) < 17 for head in steps[0][0][0])  # the longest prompt was really compressed
+    layers = range(model.config.num_hidden_layers)
     if arch == "llama" and policy != "tova":  # per-head policies: the heads of a layer choose differently
-        layers = range(model.config.num_hidden_layers)
         assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
+    if policy == "adakv":  # heads of a layer keep different numbers of tokens, summing to the layer's budget
+        counts = [[len(head) for head in row] for step in steps for layer in layers for row in step[layer]]
+        assert any(len(set(row)) > 1 for row in counts)
+        assert all(sum(row) <= budget.tokens * len(row) for row in counts)

@@ -16,7 +16,7 @@ from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import padded_batch, tiny_model
 
 import kvpolicy.cache
-from kvpolicy.attach import attach, attach_rows
+from kvpolicy.attach import attach, attach_rows, model_shape
 from kvpolicy.plan import Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.recipe import load_recipe
 from kvpolicy.registry import get_registry
@@ -56,6 +56,8 @@ CASES = {
     "heads": lambda m: per_head_plan(m, [("h2o", {}, Budget(tokens=9)), ("h2o", {}, Budget(tokens=4))]),
     # two policies, one of them unbounded (its segment keeps growing)
     "heads-full": lambda m: per_head_plan(m, [("full", {}, Budget()), ("streaming", {"sinks": 2}, Budget(tokens=5))]),
+    "adakv": lambda m: uniform_plan(m, "adakv", Budget(tokens=6), window=2, kernel=3),
+    "adakv-slack": lambda m: uniform_plan(m, "adakv", Budget(tokens=5, slack=2), window=2, kernel=3),
 }
 
 
@@ -97,7 +99,7 @@ def test_ragged_storage_computes_what_dense_storage_computes(monkeypatch, case, 
     assert cache.memory_report().allocated_kv_bytes < dense_cache.memory_report().allocated_kv_bytes
 
 
-@pytest.mark.parametrize("case", ["heads", "heads-full"])
+@pytest.mark.parametrize("case", ["heads", "heads-full", "adakv-slack"])
 def test_prompt_chunks_on_ragged_storage(monkeypatch, case):
     """Prompt chunks after the layer went ragged: segments grow for the chunk, then shrink back."""
     model = tiny_model("llama")
@@ -123,7 +125,7 @@ def test_rows_with_different_recipes_ragged_and_dense_agree(monkeypatch):
     plans = [
         uniform_plan(model, "full"),
         uniform_plan(model, "h2o", Budget(tokens=5)),
-        uniform_plan(model, "streaming", Budget(tokens=6), sinks=2),
+        uniform_plan(model, "adakv", Budget(tokens=4), window=2),
         uniform_plan(model, "window", Budget(tokens=4)),
     ]
 
@@ -194,6 +196,43 @@ def test_unequal_head_budgets_from_a_recipe_get_ragged_storage(tmp_path):
     assert all(int(layer.cap.sum()) == 121 + 25 < dense for layer in session.last_cache.layers)
 
 
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_adakv_allocated_within_10_percent_of_live(arch):
+    """AdaKV at 20% of a 480-token prompt: heads keep different counts, memory follows each head's."""
+    model = tiny_model(arch)
+    session = attach(model, load_recipe("adakv"))  # window 32, kernel 7, max pooling, alpha 0.2
+    ids = long_prompt(480)
+    recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
+    greedy(model, ids, torch.ones_like(ids), 8, recorder=recorder, cache=session.new_cache())
+    session.detach()
+    heads = model_shape(model)[1]
+    for counts in recorder.steps:
+        assert torch.equal(torch.stack(counts), torch.stack(recorder.steps[0]))  # fixed after the prefill
+        assert all(int(layer.sum()) == heads * 96 for layer in counts)  # 20% of 480 per head, on average
+    assert any(len(set(layer[0].tolist())) > 1 for layer in recorder.steps[0])
+    check_report(session.last_cache)
+
+
+def test_allocate_must_return_one_budget_per_cell():
+    from kvpolicy.errors import KVPolicyError
+
+    model = tiny_model("llama")
+    registry = get_registry()
+    policy_cls = registry.get("adakv")
+
+    class Broken(policy_cls):
+        def allocate(self, state, view, cells):
+            return view.budget[:, :1]
+
+    plan = uniform_plan(model, "adakv", Budget(tokens=4), window=2)
+    session = attach(model, plan)
+    session._policies = {key: Broken(policy.params) for key, policy in session._policies.items()}
+    ids, mask = padded_batch(lengths=(9,))
+    with pytest.raises(KVPolicyError, match="'adakv' allocated budgets of shape"):
+        model(input_ids=ids, attention_mask=mask, cache=session.new_cache())
+    session.detach()
+
+
 TRITON_SCRIPT = """
 import sys, torch
 sys.path.insert(0, "tests")
@@ -205,18 +244,20 @@ from kvpolicy.plan import Budget, HeadPlan, LayerPlan
 model = tiny_model("llama")
 ids, mask = padded_batch(lengths=(17, 12, 9))
 runs = {}
-for backend in ("torch", "triton"):
-    plan = uniform_plan(model, "h2o", Budget(tokens=6))
-    plan.layers = [LayerPlan([layer.heads[0], HeadPlan("h2o", layer.heads[0].params, Budget(tokens=3))]) for layer in plan.layers]
-    session = attach(model, plan, backend=backend)
-    recorder = StepRecorder(lambda: [session.last_cache.kept_positions(n) for n in range(3)])
-    tokens, logits = greedy(model, ids, mask, 4, recorder=recorder, cache=session.new_cache())
-    session.detach()
-    assert all(layer.ragged for layer in session.last_cache.layers)
-    runs[backend] = (tokens, logits, recorder.steps)
-assert runs["torch"][2] == runs["triton"][2]
-assert torch.equal(runs["torch"][0], runs["triton"][0])
-torch.testing.assert_close(runs["torch"][1], runs["triton"][1], atol=1e-4, rtol=1e-4)
+heads = uniform_plan(model, "h2o", Budget(tokens=6))
+heads.layers = [LayerPlan([layer.heads[0], HeadPlan("h2o", layer.heads[0].params, Budget(tokens=3))]) for layer in heads.layers]
+plans = {"heads": heads, "adakv": uniform_plan(model, "adakv", Budget(tokens=6), window=3, kernel=3)}
+for name, plan in plans.items():
+    for backend in ("torch", "triton"):
+        session = attach(model, plan, backend=backend)
+        recorder = StepRecorder(lambda: [session.last_cache.kept_positions(n) for n in range(3)])
+        tokens, logits = greedy(model, ids, mask, 4, recorder=recorder, cache=session.new_cache())
+        session.detach()
+        assert any(layer.ragged for layer in session.last_cache.layers), name
+        runs[backend] = (tokens, logits, recorder.steps)
+    assert runs["torch"][2] == runs["triton"][2], name
+    assert torch.equal(runs["torch"][0], runs["triton"][0]), name
+    torch.testing.assert_close(runs["torch"][1], runs["triton"][1], atol=1e-4, rtol=1e-4)
 print("ok")
 """
 

@@ -82,7 +82,8 @@ class SnapKV(Policy):
             decoded = torch.full_like(kind, PINNED)  # from the first decode step on: recency alone
         kind.copy_(torch.where(prompt, torch.where(is_window, PINNED, PROMPT), decoded))
 
-    def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+    def pooled(self, state: dict[str, torch.Tensor], view: TokenView) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scored, pooled): which slots hold scored prompt tokens, and their pooled window attention."""
         kind, positions = state["kind"], view.positions
         scored = view.valid & (kind == PROMPT)
         # pool over the scored tokens in position order: sort them to the front, pool, scatter back
@@ -93,7 +94,11 @@ class SnapKV(Policy):
             pooled = F.avg_pool1d(flat, self.params.kernel, stride=1, padding=pad, count_include_pad=True)
         else:
             pooled = F.max_pool1d(F.pad(flat, (pad, pad)), self.params.kernel, stride=1)
-        pooled = torch.empty_like(obs).scatter_(2, order, pooled.view_as(obs))
+        return scored, torch.empty_like(obs).scatter_(2, order, pooled.view_as(obs))
+
+    def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+        scored, pooled = self.pooled(state, view)
+        positions = view.positions
         # rank by (pooled score, position): equal pooled scores (few prompt tokens left) drop the older first
         by_age = positions.argsort(dim=2, stable=True)
         order = by_age.gather(2, pooled.gather(2, by_age).argsort(dim=2, stable=True))
