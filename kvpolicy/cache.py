@@ -173,7 +173,12 @@ class PolicyLayer(CacheLayerMixin):
         needed = self.used + count + 1  # +1: a scratch slot for no-op moves in `_compact`
         if needed > self.capacity:
             # amortized growth for unbounded heads; bounded layers shrink back after eviction
-            self._reallocate(needed + max(16, needed // 8))
+            grown = needed + max(16, needed // 8)
+            if self.uniform_limit is not None:
+                # every head bounded alike: a cache streaming at its budget needs the budget, the slack, this
+                # call's tokens and the scratch slot, and no more (growth past it would never be freed)
+                grown = min(grown, max(needed, self.uniform_limit + self.slack + count + 1))
+            self._reallocate(grown)
         start = self.used
         self.past_packed = self.packed_tokens is not None
         self.keys[:, :, start : start + count] = key_states

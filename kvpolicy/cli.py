@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: generate, compare, validate, policies, recipes."""
+"""The ``kvpolicy`` command: generate, compare, bench, validate, policies, recipes."""
 
 from __future__ import annotations
 
@@ -114,6 +114,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
     run_compare(args)
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    from .bench import run_bench
+
+    run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="sweep recipes x budgets and compare quality, memory and speed")
     add_compare_arguments(cmp)
     cmp.set_defaults(func=cmd_compare)
+
+    from .bench import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="throughput under a KV memory cap, or memory over a long stream")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 
