@@ -1,4 +1,4 @@
-"""The real embedded model: SmolLM2-135M-Instruct generates with H2O while its cache stays at the budget."""
+"""The real embedded model: SmolLM2-135M-Instruct generates with H2O (and AdaKV) while its cache stays at the budget."""
 
 from __future__ import annotations
 
@@ -54,6 +54,34 @@ def test_h2o_generates_coherent_text_within_budget(smollm2, recipe):
     report = session.last_cache.memory_report()
     assert report.allocated_kv_bytes <= 1.05 * report.live_kv_bytes + 30 * 3 * 2 * 2 * 64 * 4
     assert report.layers[5]["tokens_min"] == budget
+
+
+def test_adakv_head_budgets_held_and_coherent_text(smollm2):
+    """AdaKV (20%): the heads of a layer split 3 x budget unevenly, hold their shares, and the text stays right."""
+    model, tokenizer = smollm2
+    inputs = days_prompt(tokenizer)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    session = kvpolicy.attach(model, kvpolicy.load_recipe("adakv"))
+    counts = []
+
+    def record(input_ids, scores):
+        counts.append(torch.stack([layer.valid.sum(dim=2)[0] for layer in session.last_cache.layers]))
+        return scores
+
+    with torch.inference_mode():
+        output = session.generate(**inputs, max_new_tokens=12, do_sample=False, logits_processor=[record])
+    session.detach()
+    text = tokenizer.decode(output[0, prompt_tokens:])
+    assert "Thursday" in text and "Friday" in text, text
+    budget = math.ceil(0.2 * prompt_tokens)
+    for step in counts:  # [layers, KV heads]
+        assert torch.equal(step, counts[0]), "per-head budgets are fixed after the prefill"
+        assert torch.equal(step.sum(dim=1), torch.full((30,), 3 * budget))
+    # the 32-token window is pinned in every head, so the heads differ by the rest: 18 tokens on average here
+    assert (counts[0].max(dim=1).values - counts[0].min(dim=1).values).float().mean() > 0.1 * budget
+    report = session.last_cache.memory_report()
+    assert report.allocated_kv_bytes <= 1.10 * report.live_kv_bytes
+    assert sum(layer["ragged"] for layer in report.layers) >= 10  # 20 here; near-even layers stay dense
 
 
 def test_streaming_perplexity_bounded_cache_is_close_to_full(smollm2):
