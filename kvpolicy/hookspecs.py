@@ -40,7 +40,7 @@ def kvpolicy_register_tasks() -> list:
 def kvpolicy_register_model_aliases() -> dict[str, str]:
     """Return model aliases: short name -> a local Hugging Face model folder, or another alias.
 
-    `kvpolicy.load_model` (and ``--model`` on the command line) resolves them, case
+    `kvpolicy.load_model` (and ``--model`` of generate and compare) resolves them, case
     insensitively. Built-in aliases (``smollm2``) cannot be redirected; an alias that
     another plugin already defines keeps the first definition.
     """
