@@ -14,7 +14,7 @@ from kvpolicy.cli import main
 BAD_RECIPES = {
     "malformed.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2\n", "malformed.yaml:"),
     "unknown_key.yaml": ("kvpolicy: 1\npolicy: h2o\nbudgte: {ratio: 0.2}\n", 'did you mean "budget"'),
-    "unknown_policy.yaml": ("kvpolicy: 1\npolicy: h3o\nbudget: {ratio: 0.2}\n", "Available: full, h2o"),
+    "unknown_policy.yaml": ("kvpolicy: 1\npolicy: h3o\nbudget: {ratio: 0.2}\n", '(did you mean "h2o"?). Available: '),
     "ratio_high.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 1.5}\n", "ratio"),
     "ratio_zero.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0}\n", "ratio"),
     "tokens_zero.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {tokens: 0}\n", "tokens"),
