@@ -350,6 +350,8 @@ class PolicyLayer(CacheLayerMixin):
             budget = torch.where(cells, given.to(budget).clamp(min=0), budget)
             self.allocated |= cells
         self.budget = budget
+        if self.allocation_done and bool(self.bounded_cells.all()) and int(budget.min()) == int(budget.max()):
+            self.uniform_limit = int(budget.max())  # an even split: the dense decode fast path applies again
 
     @property
     def allocation_done(self) -> bool:

@@ -213,6 +213,19 @@ def test_adakv_allocated_within_10_percent_of_live(arch):
     check_report(session.last_cache)
 
 
+def test_adakv_without_a_long_call_splits_evenly_and_stays_dense():
+    """Fed one token at a time nothing is scored: every head keeps its newest tokens, as SnapKV does, on the
+    dense decode fast path."""
+    model = tiny_model("llama")
+    session = attach(model, uniform_plan(model, "adakv", Budget(tokens=4), window=2))
+    cache = session.new_cache()
+    for token in range(1, 10):
+        model(input_ids=torch.tensor([[token]]), cache=cache)
+    session.detach()
+    assert cache.kept_positions(1)[0] == [[5, 6, 7, 8]] * 2
+    assert all(layer.uniform_limit == 4 and not layer.ragged for layer in cache.layers)
+
+
 def test_allocate_must_return_one_budget_per_cell():
     from kvpolicy.errors import KVPolicyError
 
