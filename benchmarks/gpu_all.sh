@@ -2,6 +2,7 @@
 # Every GPU check and benchmark in one run (the device machine is lent for minutes at a time).
 #
 #   bash benchmarks/gpu_all.sh OUT_DIR
+#   GPU_STEPS="triton_tests bench" GPU_TESTS_K="prefill or sliding" bash benchmarks/gpu_all.sh OUT_DIR
 #
 # Expects: python3 with torch + triton + CUDA; transformers >= 5.24 (wheels in .whl/ are
 # installed to /tmp/site when present); SmolLM2's config and tokenizer files (no weights)
@@ -21,8 +22,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 rm -rf /tmp/smollm2-shape && cp -r .gpu/smollm2-shape /tmp/smollm2-shape
 
+steps=${GPU_STEPS:-triton_tests gpu_attention gpu_check bench}
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
+    case " $steps " in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name (limit ${limit}s)"
     local started=$SECONDS
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
@@ -31,9 +34,13 @@ step() {  # step NAME SECONDS COMMAND...
     echo "=== $name: rc=$rc in $((SECONDS - started))s"
 }
 
-step triton_tests 240 env KVPOLICY_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -x tests/test_triton_backend.py
+step triton_tests "${GPU_TESTS_LIMIT:-240}" env KVPOLICY_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
+    tests/test_triton_backend.py -k "${GPU_TESTS_K:-not nothing}"
 step gpu_attention 200 python3 benchmarks/gpu_attention.py --contexts 4096 16384 --batches 1 8 --repeats 3
 step gpu_check 300 python3 benchmarks/gpu_check.py --config-dir /tmp/smollm2-shape --out "$out/gpu_check.json"
-if python3 -m kvpolicy.cli bench --help >/dev/null 2>&1; then
-    step bench 300 python3 -m kvpolicy.cli bench --model /tmp/smollm2-shape ${KVPOLICY_GPU_BENCH_ARGS:-} --out "$out/bench"
-fi
+# the bench loads the folder as a model: random weights of SmolLM2's shape (gpu_check.py writes the same)
+python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch, gpu_check as g; from pathlib import Path; \
+g.DEVICE = torch.device('cuda'); g.random_model(Path('/tmp/smollm2-shape'), torch.bfloat16)" >/dev/null 2>&1
+step bench "${GPU_BENCH_LIMIT:-300}" python3 -m kvpolicy.cli bench --model /tmp/smollm2-shape --device cuda \
+    --dtype bfloat16 --recipes full h2o streaming --kv-memory 4GiB --prompt-tokens 2048 --new-tokens 64 \
+    --max-batch 256 --repeats 3 --out "$out/bench"

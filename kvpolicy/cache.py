@@ -113,6 +113,7 @@ class PolicyLayer(CacheLayerMixin):
         self.used = 0  # slots in use: the high-water mark over (row, head)
         self.pending: tuple[int, int] | None = None  # (first slot, count) of tokens appended by this forward
         self.evictions = 0
+        self._nan_check = NaNCheck()
         self.backend = "torch"  # set by the session: "torch" or "triton" for the tracking attention
         # policies that split a row's budget among their heads (AdaKV), once per row at its first eviction
         self.allocating = [g for g in groups if g.policy.allocates]
@@ -280,6 +281,7 @@ class PolicyLayer(CacheLayerMixin):
         scores = None
         for group in self.groups:
             group_scores = _checked(group.policy, group.policy.score(self._group_state(group), view), view.valid)
+            self._nan_check.note(group.policy, group_scores)
             heads = group.heads.to(self.device)[:, :, None]
             scores = group_scores if scores is None else torch.where(heads, group_scores, scores)
         return scores.masked_fill(~view.valid, -torch.inf)
@@ -636,9 +638,39 @@ def _checked(policy: Policy, scores: object, valid: torch.Tensor) -> torch.Tenso
             f"policy {policy.name!r} returned scores of shape {shape}; expected [batch, kv_heads, slots] = "
             f"{tuple(valid.shape)}"
         )
-    if bool(torch.isnan(scores).any()):
-        raise KVPolicyError(f"policy {policy.name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")
     return scores.float()
+
+
+class NaNCheck:
+    """Raises when a policy's scores hold NaN (a plugin bug that would otherwise evict arbitrary tokens).
+
+    On CPU every call is checked. On a GPU, reading a flag back waits for the device to drain
+    its queue, once per layer and step: there the flags accumulate on the device and are
+    read every ``every`` calls, so a bad policy is stopped within that many evictions.
+    """
+
+    def __init__(self, every: int = 32):
+        self.every = every
+        self.calls = 0
+        self.flags: dict[str, torch.Tensor] = {}
+
+    def note(self, policy: Policy, scores: torch.Tensor) -> None:
+        nan = torch.isnan(scores).any()
+        if scores.device.type == "cpu":
+            if bool(nan):
+                self._raise(policy.name)
+            return
+        flag = self.flags.get(policy.name)
+        self.flags[policy.name] = nan if flag is None else flag | nan
+        self.calls += 1
+        if self.calls % self.every == 0:
+            for name, flag in self.flags.items():
+                if bool(flag):
+                    self._raise(name)
+
+    @staticmethod
+    def _raise(name: str) -> None:
+        raise KVPolicyError(f"policy {name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")
 
 
 def _move(tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
