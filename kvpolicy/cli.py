@@ -68,16 +68,30 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(session.last_cache.memory_report())
 
 
+def _model_shape(name: str) -> tuple[int, int]:
+    """(layers, KV heads) of a model alias or local folder, from its config alone (no weights load)."""
+    from .models import _ALIAS_SPELLINGS, model_aliases, resolve_alias
+
+    resolved = resolve_alias(name)
+    if resolved.lower() in _ALIAS_SPELLINGS:
+        return DEFAULT_SHAPE
+    if not (Path(resolved).expanduser() / "config.json").is_file():
+        aliases = ", ".join(sorted({"smollm2", *model_aliases()}))
+        raise KVPolicyError(f"--model {name!r} is neither a model alias ({aliases}) nor a local folder with a config.json")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(Path(resolved).expanduser(), local_files_only=True)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def cmd_validate(args: argparse.Namespace) -> None:
     from .recipe import load_recipe
 
     recipe = load_recipe(args.file)
     layers, heads = DEFAULT_SHAPE
     if args.model:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(args.model, local_files_only=True)
-        layers, heads = config.num_hidden_layers, getattr(config, "num_key_value_heads", config.num_attention_heads)
+        layers, heads = _model_shape(args.model)
     layers, heads = args.layers or layers, args.kv_heads or heads
     plan = recipe.resolve(layers, heads)
     print(f"{recipe.source}: valid for {layers} layers x {heads} KV heads")

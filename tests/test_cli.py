@@ -66,6 +66,15 @@ def test_validate_prints_plan_per_layer_and_head(capsys):
     assert "layers 11-29: heads 0-2: h2o" in out
 
 
+def test_validate_against_a_model_alias_or_folder(capsys, tiny):
+    assert main(["validate", "recipes/h2o.yaml", "--model", "smollm2"]) == 0
+    assert "valid for 30 layers x 3 KV heads" in capsys.readouterr().out
+    assert main(["validate", "recipes/h2o.yaml", "--model", tiny[0]]) == 0
+    assert "valid for 3 layers x 2 KV heads" in capsys.readouterr().out
+    assert main(["validate", "recipes/h2o.yaml", "--model", "no-such-model"]) == 2
+    assert "neither a model alias (smollm2" in capsys.readouterr().err
+
+
 def test_policies_and_recipes_listings(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
