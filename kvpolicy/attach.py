@@ -28,6 +28,8 @@ from .registry import Registry, get_registry
 from .rotary import find_inv_freq, in_cache_deltas, rotate
 
 ATTENTION_NAME = "kvpolicy"
+#: statistics only the torch reference computes (read once per layer, at the prompt, by FastGen's profile)
+PROFILE_STATS = frozenset({"colsum_heads", "near_colsum_heads"})
 _registered = False
 _warned_no_cache = False
 
@@ -77,20 +79,31 @@ def kvpolicy_attention(
     keys, values = layer.attention_kv()  # dense storage, or a ragged layer's padded copy (cache.py)
     if layer.in_cache_heads is not None:
         query, keys = _in_cache_positions(layer, query, keys, query_positions, start)
-    if layer.needs:
-        if layer.backend == "triton":
+    needs = layer.call_needs
+    if needs:
+        # the profiling statistics (per query head, and within a local band: FastGen, once per layer at the
+        # prompt) have no Triton kernel: that one call runs on the torch reference, on the same device
+        if layer.backend == "triton" and not needs & PROFILE_STATS:
             from .backend.triton_kernels import attend_tracking_triton  # lazy: importing triton is slow
 
             out, stats = attend_tracking_triton(
                 query, keys, values, layer.valid[:, :, :slots], layer.positions[:, :, :slots], query_positions,
-                scaling, layer.needs, query_valid, start, layer.last_rows_window, sliding_window,
+                scaling, needs, query_valid, start, layer.last_rows_window, sliding_window,
             )
         else:
             # a packed cache with no pads and no window needs no mask beyond causality
             packed = query_valid is None and sliding_window is None and layer.past_packed
+            near_for = None
+            if "near_colsum_heads" in needs:
+                band = layer.near_band()[:, :, None, None]
+
+                def near_for(lo: int, hi: int, width: int) -> torch.Tensor:
+                    distance = query_positions[:, None, lo:hi, None] - layer.positions[:, :, None, :width]
+                    return distance < band
+
             out, stats = torch_ref.attend_tracking(
-                query, keys, values, None if packed else mask_for, scaling, layer.needs, query_valid, start,
-                layer.last_rows_window,
+                query, keys, values, None if packed else mask_for, scaling, needs, query_valid, start,
+                layer.last_rows_window, near_for,
             )
     else:
         out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
@@ -169,6 +182,8 @@ class Session:
     plan: Plan
     registry: Registry
     previous_attention: str
+    #: the model's tokenizer, for policies that need it (FastGen's special and punctuation tokens); may be None
+    tokenizer: Any = None
     #: one plan per batch row (`attach_rows`), or empty: ``plan`` applies to every row
     row_plans: list[Plan] = field(default_factory=list)
     last_cache: PolicyCache | None = None
@@ -179,7 +194,9 @@ class Session:
             for head in layer.heads:
                 key = (head.policy, repr(head.params))
                 if key not in self._policies:
-                    self._policies[key] = self.registry.get(head.policy)(head.params)
+                    policy = self.registry.get(head.policy)(head.params)
+                    policy.prepare(model=self.model, tokenizer=self.tokenizer)
+                    self._policies[key] = policy
 
     def new_cache(self, prompt_tokens: int | None = None) -> PolicyCache:
         """A fresh cache; ratio budgets resolve from the first forward's real tokens, or ``prompt_tokens``."""
@@ -193,6 +210,8 @@ class Session:
                 layer.inv_freq = self._inv_freq()
             layers.append(layer)
         self.last_cache = PolicyCache(layers)
+        if self.last_cache.token_feed is not None:
+            _record_token_ids(self.model)
         return self.last_cache
 
     def _inv_freq(self) -> torch.Tensor:
@@ -208,8 +227,43 @@ class Session:
         return self.model.generate(*args, **kwargs)
 
     def detach(self) -> None:
-        """Give the model back its previous attention implementation."""
+        """Give the model back its previous attention implementation (and drop the token-id hooks)."""
         self.model.set_attn_implementation(self.previous_attention)
+        for handle in self.model.__dict__.pop(_TOKEN_HOOKS, ()):
+            handle.remove()
+
+
+_TOKEN_HOOKS = "_kvpolicy_token_id_hooks"
+
+
+def _record_token_ids(model: PreTrainedModel) -> None:
+    """Hooks on ``model`` that hand each forward pass's ``input_ids`` to its PolicyCache (once per model).
+
+    Only sessions whose policies read token ids (FastGen) install them; calls with
+    ``inputs_embeds`` alone leave the cache without ids, and such a policy then says so.
+    """
+    if _TOKEN_HOOKS in model.__dict__:
+        return
+
+    def cache_of(kwargs: dict[str, Any]) -> PolicyCache | None:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache if isinstance(cache, PolicyCache) and cache.token_feed is not None else None
+
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        cache = cache_of(kwargs)
+        if cache is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            cache.token_feed.ids = ids if isinstance(ids, torch.Tensor) else None
+
+    def after(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        cache = cache_of(kwargs)
+        if cache is not None:
+            cache.token_feed.ids = None  # never reused by a later call that brings none
+
+    model.__dict__[_TOKEN_HOOKS] = (
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True),
+    )
 
 
 def cache_keyword(model: PreTrainedModel) -> str:
@@ -228,9 +282,14 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int]:
 
 
 def attach(
-    model: PreTrainedModel, recipe: Any, *, backend: str | None = None, registry: Registry | None = None
+    model: PreTrainedModel, recipe: Any, *, backend: str | None = None, registry: Registry | None = None,
+    tokenizer: Any = None,
 ) -> Session:
-    """Attach a recipe (a Recipe, a Plan, a YAML path or a built-in recipe name) to ``model``."""
+    """Attach a recipe (a Recipe, a Plan, a YAML path or a built-in recipe name) to ``model``.
+
+    ``tokenizer``: the model's tokenizer, needed by policies that read it (FastGen takes its
+    special and punctuation tokens from it unless the recipe lists them).
+    """
     from .recipe import Recipe, load_recipe
 
     registry = registry or get_registry()
@@ -251,17 +310,19 @@ def attach(
     if previous == ATTENTION_NAME:
         previous = "sdpa"
     model.set_attn_implementation(ATTENTION_NAME)
-    return Session(model=model, plan=plan, registry=registry, previous_attention=previous)
+    return Session(model=model, plan=plan, registry=registry, previous_attention=previous, tokenizer=tokenizer)
 
 
-def attach_rows(model: PreTrainedModel, recipes: list[Any], *, registry: Registry | None = None) -> Session:
+def attach_rows(
+    model: PreTrainedModel, recipes: list[Any], *, registry: Registry | None = None, tokenizer: Any = None
+) -> Session:
     """Attach one recipe per batch row: row i of every batch follows ``recipes[i]``.
 
     Lets a sweep run several recipes (or budgets) as rows of one forward pass.
     """
     if not recipes:
         raise KVPolicyError("attach_rows needs at least one recipe")
-    sessions = [attach(model, recipe, registry=registry) for recipe in recipes]
+    sessions = [attach(model, recipe, registry=registry, tokenizer=tokenizer) for recipe in recipes]
     first = sessions[0]
     first.row_plans = [session.plan for session in sessions]
     first.__post_init__()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -89,11 +90,27 @@ class PolicyLayer(CacheLayerMixin):
         self.rows = rows
         self.groups = groups
         self.needs = frozenset().union(*(g.policy.needs for g in groups))
+        # statistics only the first attention call reads (a policy's `profile` of the prompt, e.g. FastGen)
+        self.profile_needs = frozenset().union(*(g.policy.profile_needs for g in groups)) - self.needs
+        self.profiling = [g for g in groups if g.policy.profile_needs]
+        self.profiled = not self.profiling
+        self.near_ratio = torch.zeros(len(rows), len(rows[0].heads), dtype=torch.float64)  # per cell
+        for g in groups:
+            if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
+                self.near_ratio[g.heads] = g.policy.near_ratio
+        # per-slot token ids, kept only when a policy reads them (FastGen's special/punctuation tokens)
+        self.token_id_policies = [g.policy.name for g in groups if g.policy.needs_token_ids]
+        self.token_feed: TokenFeed | None = None  # set by the PolicyCache: the input_ids of the current forward
+        # policies that set their cells' budgets at every eviction (FastGen: shares of the current length)
+        self.dynamic = [g for g in groups if g.policy.dynamic_budget]
+        self.dynamic_cells = torch.stack([g.heads for g in self.dynamic]).any(dim=0) if self.dynamic else None
         self.last_rows_window = max([g.policy.last_rows_window for g in groups if "last_rows" in g.policy.needs] or [0])
         cells = [head for row in rows for head in row.heads]
         self.bounded_cells = torch.tensor(
             [[h.budget.tokens is not None or h.budget.ratio is not None for h in row.heads] for row in rows]
         )
+        if self.dynamic_cells is not None:
+            self.bounded_cells |= self.dynamic_cells
         self.bounded = bool(self.bounded_cells.any())
         self.slack = max((h.budget.slack for h in cells), default=0)
         self.drops_early = any(g.policy.drops_early for g in groups)
@@ -128,6 +145,7 @@ class PolicyLayer(CacheLayerMixin):
         self.appended = 0  # slot of the first token appended by the last forward (ragged bookkeeping)
         self._view: tuple[torch.Tensor, torch.Tensor] | None = None  # the dense copy attention reads
         self.workspace_bytes = 0  # largest such copy so far
+        self.cell_state: dict[str, torch.Tensor] = {}  # per-cell policy state, [B, Hkv] each (set at initialization)
 
     # --- storage -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -141,6 +159,13 @@ class PolicyLayer(CacheLayerMixin):
             f"{g.prefix}{name}": torch.zeros((batch, heads, 0), dtype=dtype, device=self.device)
             for g in self.groups
             for name, dtype in g.policy.state.items()
+        }
+        if self.token_id_policies:
+            self.state["token_ids"] = torch.zeros((batch, heads, 0), dtype=torch.int32, device=self.device)
+        self.cell_state = {
+            f"{g.prefix}{name}": torch.zeros((batch, heads), dtype=dtype, device=self.device)
+            for g in self.groups
+            for name, dtype in g.policy.cell_state.items()
         }
         self.real_seen = torch.zeros(batch, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -174,7 +199,7 @@ class PolicyLayer(CacheLayerMixin):
         needed = self.used + count + 1  # +1: a scratch slot for no-op moves in `_compact`
         if needed > self.capacity:
             # amortized growth for unbounded heads; bounded layers shrink back after eviction
-            grown = needed + max(16, needed // 8)
+            grown = needed + self._margin(needed)
             if self.uniform_limit is not None:
                 # every head bounded alike: a cache streaming at its budget needs the budget, the slack, this
                 # call's tokens and the scratch slot, and no more (growth past it would never be freed)
@@ -187,11 +212,36 @@ class PolicyLayer(CacheLayerMixin):
         self.valid[:, :, start : start + count] = True
         for tensor in self.state.values():
             tensor[:, :, start : start + count] = 0
+        if self.token_id_policies:
+            self._append_token_ids(start, count)
         self.used += count
         self.seen += count
         self.pending = (start, count)
         _active.layer = self
         return self.keys[:, :, : self.used], self.values[:, :, : self.used]
+
+    def _margin(self, slots: int) -> int:
+        """Free slots kept past ``slots`` when storage grows (and tolerated before it shrinks back).
+
+        Growing unbounded heads get an eighth; layers whose budgets grow with the sequence (FastGen)
+        a thirty-second, so that their memory stays close to what they keep.
+        """
+        return slots // 32 + 4 if self.dynamic else max(16, slots // 8)
+
+    def _append_token_ids(self, start: int, count: int) -> None:
+        ids = self.token_feed.ids if self.token_feed is not None else None
+        if ids is None:
+            raise KVPolicyError(
+                f"policy {self.token_id_policies[0]!r} reads the token ids of the cached tokens, but this forward pass "
+                "gave none: call the model with input_ids (not inputs_embeds alone), on the model the session was "
+                "attached to, with the cache made by session.new_cache()"
+            )
+        if ids.shape != (self.valid.shape[0], count):
+            raise KVPolicyError(
+                f"the forward pass's input_ids have shape {tuple(ids.shape)} but layer {self.layer_idx} got "
+                f"{count} new tokens for {self.valid.shape[0]} rows"
+            )
+        self.state["token_ids"][:, :, start : start + count] = ids.to(self.device, torch.int32)[:, None, :]
 
     def attention_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the slots in use as [B, Hkv, used, D]: views of dense storage, or the ragged layer's copy."""
@@ -243,6 +293,8 @@ class PolicyLayer(CacheLayerMixin):
         self.budget = torch.tensor(budget, dtype=torch.long, device=self.device)
         if self.allocating:
             self.allocated = torch.zeros_like(self.budget, dtype=torch.bool)
+        elif self.dynamic:
+            pass  # budgets that change at every eviction: no one limit for the dense decode fast path
         elif bool(self.bounded_cells.all()) and int(self.budget.min()) == int(self.budget.max()):
             self.uniform_limit = int(self.budget.max())
 
@@ -255,8 +307,23 @@ class PolicyLayer(CacheLayerMixin):
             mask &= key_positions > query_positions - sliding_window
         return mask
 
+    @property
+    def call_needs(self) -> frozenset[str]:
+        """The statistics this attention call must return: the first call adds the profiling ones."""
+        return self.needs if self.profiled else self.needs | self.profile_needs
+
+    def near_band(self) -> torch.Tensor:
+        """[B, Hkv]: the width of each cell's local band for ``near_colsum_heads`` (ceil(near_ratio x seen))."""
+        ratio = self.near_ratio.to(self.device)
+        return torch.ceil(self.real_seen[:, None].double() * ratio - 1e-9).long().clamp(min=1)
+
     def end_attention(self, stats: AttentionStats | None) -> None:
         """Let the policies observe this call, then evict what is over budget."""
+        if not self.profiled:
+            view = self._view_of_tokens()
+            for group in self.profiling:
+                group.policy.profile(self._group_state(group), stats, view)
+            self.profiled = True
         if stats is not None:
             for group in self.groups:
                 if group.policy.needs:
@@ -268,16 +335,23 @@ class PolicyLayer(CacheLayerMixin):
         self._evict()
 
     def _group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
-        return {name: self.state[f"{group.prefix}{name}"][:, :, : self.used] for name in group.policy.state}
+        state = {name: self.state[f"{group.prefix}{name}"][:, :, : self.used] for name in group.policy.state}
+        state.update((name, self.cell_state[f"{group.prefix}{name}"]) for name in group.policy.cell_state)
+        return state
 
-    # --- eviction --------------------------------------------------------------------------------
-    def _scores(self) -> torch.Tensor:
-        view = TokenView(
+    def _view_of_tokens(self) -> TokenView:
+        ids = self.state.get("token_ids")
+        return TokenView(
             positions=self.positions[:, :, : self.used],
             valid=self.valid[:, :, : self.used],
             seen=self.real_seen,
             budget=self.budget,
+            token_ids=ids[:, :, : self.used] if ids is not None else None,
         )
+
+    # --- eviction --------------------------------------------------------------------------------
+    def _scores(self) -> torch.Tensor:
+        view = self._view_of_tokens()
         scores = None
         for group in self.groups:
             group_scores = _checked(group.policy, group.policy.score(self._group_state(group), view), view.valid)
@@ -287,6 +361,8 @@ class PolicyLayer(CacheLayerMixin):
         return scores.masked_fill(~view.valid, -torch.inf)
 
     def _evict(self) -> None:
+        if self.dynamic:
+            self._set_dynamic_budgets()
         if self.packed_tokens is not None and not self.drops_early:
             if not self.bounded:
                 return
@@ -323,18 +399,28 @@ class PolicyLayer(CacheLayerMixin):
                 return
         self.evictions += 1
         target = int(keep.max()) + self.slack + 2  # room for the next token and the scratch slot
-        if self.bounded and self.capacity > target + max(16, target // 8):
+        if self.bounded and self.capacity > target + self._margin(target):
             self._reallocate(target)
+
+    def _set_dynamic_budgets(self) -> None:
+        """Budgets of the cells whose policies set them (FastGen), asked again at every eviction."""
+        view = self._view_of_tokens()
+        budget = self.budget
+        for group in self.dynamic:
+            given = group.policy.budgets(self._group_state(group), view)
+            if not isinstance(given, torch.Tensor) or given.shape != budget.shape:
+                shape = tuple(given.shape) if isinstance(given, torch.Tensor) else type(given).__name__
+                raise KVPolicyError(
+                    f"policy {group.policy.name!r} returned budgets of shape {shape}; expected [batch, kv_heads] = "
+                    f"{tuple(budget.shape)}"
+                )
+            budget = torch.where(group.heads.to(self.device), given.to(budget).clamp(min=0), budget)
+        self.budget = budget
 
     def _allocate(self, count: torch.Tensor, unbounded: torch.Tensor) -> None:
         """Let budget-splitting policies set the budgets of rows at their first eviction; fixed afterwards."""
         over = (count - torch.where(unbounded, count, self.budget)) > self.slack
-        view = TokenView(
-            positions=self.positions[:, :, : self.used],
-            valid=self.valid[:, :, : self.used],
-            seen=self.real_seen,
-            budget=self.budget,
-        )
+        view = self._view_of_tokens()
         budget = self.budget
         for group in self.allocating:
             heads = group.heads.to(self.device).expand_as(over)
@@ -352,7 +438,7 @@ class PolicyLayer(CacheLayerMixin):
             budget = torch.where(cells, given.to(budget).clamp(min=0), budget)
             self.allocated |= cells
         self.budget = budget
-        if self.allocation_done and bool(self.bounded_cells.all()) and int(budget.min()) == int(budget.max()):
+        if self.allocation_done and not self.dynamic and bool(self.bounded_cells.all()) and int(budget.min()) == int(budget.max()):
             self.uniform_limit = int(budget.max())  # an even split: the dense decode fast path applies again
 
     @property
@@ -369,7 +455,10 @@ class PolicyLayer(CacheLayerMixin):
         """Segment size [B, Hkv] for cells holding ``tokens``: budget + slack + 1, or amortized growth when unbounded."""
         bounded = self.bounded_cells.to(self.device).expand_as(tokens)
         grow = tokens + torch.clamp(tokens // 16, min=16)
-        return torch.where(bounded, torch.maximum(self.budget, tokens) + self.slack + 1, grow)
+        target = torch.maximum(self.budget, tokens) + self.slack + 1
+        if self.dynamic_cells is not None:  # budgets that grow with the sequence: a little headroom
+            target = torch.where(self.dynamic_cells.to(self.device), target + target // 32 + 1, target)
+        return torch.where(bounded, target, grow)
 
     def _ragged_pays(self, keep: torch.Tensor) -> bool:
         targets = self._targets(keep)
@@ -423,6 +512,8 @@ class PolicyLayer(CacheLayerMixin):
             needed = self.cell_tokens + count
             bounded = self.bounded_cells.to(self.device).expand_as(needed)
             grown = torch.where(bounded, needed, needed + torch.clamp(needed // 16, min=16))
+            if self.dynamic_cells is not None:  # growing budgets (FastGen): amortize the re-layouts
+                grown = torch.where(self.dynamic_cells.to(self.device), needed + needed // 32 + 1, grown)
             self._relayout(torch.where(self.cap >= needed, self.cap, grown))
         start = self.used
         if start + count > self.capacity:
@@ -435,6 +526,8 @@ class PolicyLayer(CacheLayerMixin):
         self.valid[:, :, start : start + count] = True
         for tensor in self.state.values():
             tensor[:, :, start : start + count] = 0
+        if self.token_id_policies:
+            self._append_token_ids(start, count)
         self.used += count
         self.seen += count
         self.past_packed = False
@@ -585,6 +678,7 @@ class PolicyLayer(CacheLayerMixin):
         self.budget, self.seen, self.used, self.pending = None, 0, 0, None
         self.packed_tokens, self.uniform_limit = 0, None
         self.allocated, self._allocation_done = None, False
+        self.profiled = not self.profiling
         self.ragged, self.offset, self.cap, self.cell_tokens, self.room, self._view = False, None, None, None, 0, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -610,24 +704,54 @@ class PolicyLayer(CacheLayerMixin):
             for b in range(positions.shape[0])
         ]
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, Any]:
         if not self.is_initialized:
             return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0, "tokens_max": 0,
-                    "ragged": 0, "workspace_kv_bytes": 0}
+                    "ragged": 0, "workspace_kv_bytes": 0, "by_label": {}}
         tokens = self.valid.sum(dim=2)
         per_token = (self.keys.shape[-1] + self.values.shape[-1]) * self.keys.element_size()
-        metadata = [self.positions, self.valid, *self.state.values()]
+        metadata = [self.positions, self.valid, *self.state.values(), *self.cell_state.values()]
         if self.ragged:
             metadata += [self.offset, self.cap, self.cell_tokens]
+        allocated = _storage_bytes(self.keys) + _storage_bytes(self.values)
         return {
             "live_kv_bytes": int(tokens.sum()) * per_token,
-            "allocated_kv_bytes": _storage_bytes(self.keys) + _storage_bytes(self.values),
+            "allocated_kv_bytes": allocated,
             "metadata_bytes": sum(_storage_bytes(t) for t in metadata),
             "tokens_min": int(tokens.min()),
             "tokens_max": int(tokens.max()),
             "ragged": int(self.ragged),
             "workspace_kv_bytes": self.workspace_bytes,
+            "by_label": self._memory_by_label(tokens, per_token, allocated),
         }
+
+    def cell_labels(self) -> list[list[str]]:
+        """A label per [batch row][KV head]: the policy's own (FastGen: the head's pattern), else its name."""
+        batch, heads = self.valid.shape[:2]
+        labels = [[""] * heads for _ in range(batch)]
+        for group in self.groups:
+            given = group.policy.cell_labels(self._group_state(group))
+            owned = group.heads.expand(batch, heads).tolist()
+            for b in range(batch):
+                for h in range(heads):
+                    if owned[b][h]:
+                        labels[b][h] = given[b][h] if given is not None else group.policy.name
+        return labels
+
+    def _memory_by_label(self, tokens: torch.Tensor, per_token: int, allocated: int) -> dict[str, dict[str, int]]:
+        """Cells, tokens, live and allocated K/V bytes per cell label (report time only: Python loops are fine)."""
+        cells = tokens.numel()
+        rows = self.cap.tolist() if self.ragged else None
+        out: dict[str, dict[str, int]] = {}
+        for b, row in enumerate(self.cell_labels()):
+            for h, label in enumerate(row):
+                entry = out.setdefault(label, {"cells": 0, "tokens": 0, "live_kv_bytes": 0, "allocated_kv_bytes": 0})
+                entry["cells"] += 1
+                entry["tokens"] += int(tokens[b, h])
+                entry["live_kv_bytes"] += int(tokens[b, h]) * per_token
+                # dense storage gives every cell the same share; ragged storage each cell its own segment
+                entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
+        return out
 
 
 def _checked(policy: Policy, scores: object, valid: torch.Tensor) -> torch.Tensor:
@@ -685,11 +809,22 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes()
 
 
+@dataclass
+class TokenFeed:
+    """The ``input_ids`` [B, q] of the forward pass in progress, for layers that keep token ids (set by the session)."""
+
+    ids: torch.Tensor | None = None
+
+
 class PolicyCache(Cache):
     """A KV cache that evicts per (batch row, KV head) as its recipe's policies decide."""
 
     def __init__(self, layers: list[PolicyLayer]):
         super().__init__(layers=layers)
+        # only when a policy reads token ids: the session's forward pre-hook fills it (attach.py)
+        self.token_feed = TokenFeed() if any(layer.token_id_policies for layer in layers) else None
+        for layer in layers:
+            layer.token_feed = self.token_feed
 
     def memory_report(self) -> MemoryReport:
         return MemoryReport([layer.memory() for layer in self.layers])
@@ -709,4 +844,4 @@ def build_groups(rows: list[LayerPlan], policies: dict[tuple[str, str], Policy])
     return [PolicyGroup(policies[key], mask, f"{index}.") for index, (key, mask) in enumerate(masks.items())]
 
 
-__all__ = ["PolicyCache", "PolicyLayer", "MemoryReport", "Budget", "active_layer", "build_groups"]
+__all__ = ["PolicyCache", "PolicyLayer", "MemoryReport", "Budget", "TokenFeed", "active_layer", "build_groups"]

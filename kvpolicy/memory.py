@@ -6,16 +6,22 @@ ragged layers: each cell's own segment). ``policy state`` is the per-slot metada
 (positions, validity, the policies' per-token state, ragged segment tables). Attention on a
 ragged layer reads a transient dense copy of that one layer: ``workspace`` is the largest
 such copy, memory in use only during that layer's attention call, not cache.
+
+Each layer also breaks its cells down by label (``by_label``): the policy's own label for
+each (row, KV head) where it gives one (FastGen: the head's pattern), else the policy's
+name. When some layer holds more than one label, the table gains a column per layer and a
+summary per label: heads, tokens, live and allocated bytes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
 class MemoryReport:
-    layers: list[dict[str, int]]
+    layers: list[dict[str, Any]]
 
     @property
     def live_kv_bytes(self) -> int:
@@ -34,19 +40,41 @@ class MemoryReport:
         """The largest transient dense copy of a ragged layer (one layer at a time, so the max, not the sum)."""
         return max((layer.get("workspace_kv_bytes", 0) for layer in self.layers), default=0)
 
+    def by_label(self) -> dict[str, dict[str, int]]:
+        """Cells (heads x rows), tokens, live and allocated K/V bytes per cell label, over every layer."""
+        out: dict[str, dict[str, int]] = {}
+        for layer in self.layers:
+            for label, numbers in layer.get("by_label", {}).items():
+                entry = out.setdefault(label, dict.fromkeys(numbers, 0))
+                for key, value in numbers.items():
+                    entry[key] += value
+        return out
+
     def __str__(self) -> str:
-        lines = [f"{'layer':>5} {'tokens/head':>13} {'live KV':>10} {'allocated KV':>13} {'policy state':>13} {'layout':>7}"]
+        labelled = any(len(layer.get("by_label", {})) > 1 for layer in self.layers)
+        lines = [f"{'layer':>5} {'tokens/head':>13} {'live KV':>10} {'allocated KV':>13} {'policy state':>13} {'layout':>7}"
+                 + ("  heads by label (live / allocated)" if labelled else "")]
         for index, layer in enumerate(self.layers):
             span = f"{layer['tokens_min']}" if layer["tokens_min"] == layer["tokens_max"] else f"{layer['tokens_min']}-{layer['tokens_max']}"
             layout = "ragged" if layer.get("ragged") else "dense"
+            labels = "  " + ", ".join(
+                f"{label} x{n['cells']} ({_human(n['live_kv_bytes'])} / {_human(n['allocated_kv_bytes'])})"
+                for label, n in sorted(layer.get("by_label", {}).items())
+            ) if labelled else ""
             lines.append(
                 f"{index:>5} {span:>13} {_human(layer['live_kv_bytes']):>10} "
-                f"{_human(layer['allocated_kv_bytes']):>13} {_human(layer['metadata_bytes']):>13} {layout:>7}"
+                f"{_human(layer['allocated_kv_bytes']):>13} {_human(layer['metadata_bytes']):>13} {layout:>7}{labels}"
             )
         lines.append(
             f"{'total':>5} {'':>13} {_human(self.live_kv_bytes):>10} {_human(self.allocated_kv_bytes):>13} "
             f"{_human(self.metadata_bytes):>13}"
         )
+        if labelled:
+            for label, n in sorted(self.by_label().items()):
+                lines.append(
+                    f"  {label}: {n['cells']} heads, {n['tokens']} tokens, {_human(n['live_kv_bytes'])} live, "
+                    f"{_human(n['allocated_kv_bytes'])} allocated"
+                )
         if any(layer.get("ragged") for layer in self.layers):
             lines.append(
                 f"ragged layers hold each (row, KV head)'s tokens in a segment of its own size; attention reads "

@@ -14,11 +14,14 @@ class Budget:
 
     ``slack`` tokens may accumulate over the budget before a compaction (amortized
     eviction): fewer compactions, at the cost of up to ``slack`` extra tokens of memory.
+    ``by_policy``: the policy sets the budget itself at every eviction (``dynamic_budget``
+    policies such as FastGen); a recipe's budget does not apply.
     """
 
     tokens: int | None = None
     ratio: float | None = None
     slack: int = 0
+    by_policy: bool = False
 
     def resolve(self, prompt_tokens: torch.Tensor) -> torch.Tensor:
         """Budget per batch row ([B] int64) for rows whose prompts hold ``prompt_tokens`` real tokens."""
@@ -33,6 +36,8 @@ class Budget:
             text = f"{self.tokens} tokens"
         elif self.ratio is not None:
             text = f"{self.ratio:.3g} of prompt"
+        elif self.by_policy:
+            text = "set by the policy"
         else:
             text = "unbounded"
         return text + (f" (+{self.slack} slack)" if self.slack else "")
@@ -42,6 +47,7 @@ class Budget:
 
 
 UNBOUNDED = Budget()
+BY_POLICY = Budget(by_policy=True)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from .errors import KVPolicyError, RecipeError, did_you_mean
-from .plan import UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
+from .plan import BY_POLICY, UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
 from .registry import Registry, get_registry
 
 SCHEMA_VERSION = 1
@@ -433,7 +433,9 @@ class Recipe:
     def _head(self, cell: tuple) -> HeadPlan:
         cls, params, (budget, _, _), line = cell
         budget = budget or self.budget
-        if not cls.bounded:
+        if cls.dynamic_budget:
+            budget = BY_POLICY  # the policy sizes its cells itself (FastGen); a recipe budget does not apply
+        elif not cls.bounded:
             budget = UNBOUNDED
         elif budget.tokens is None and budget.ratio is None:
             raise _error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',

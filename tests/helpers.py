@@ -63,8 +63,13 @@ def run_against_reference(model, reference, plan, ids, mask, steps: int):
 
     reference.register()
     model.set_attn_implementation(reference.name)
+    hook = reference.hook(model) if hasattr(reference, "hook") else None  # e.g. to see the token ids
     theirs = StepRecorder(lambda: dict(reference.current))
-    ref_tokens, ref_logits = greedy(model, ids, mask, steps, recorder=theirs)
+    try:
+        ref_tokens, ref_logits = greedy(model, ids, mask, steps, recorder=theirs)
+    finally:
+        if hook is not None:
+            hook.remove()
     model.set_attn_implementation("sdpa")
 
     session = attach(model, plan)
@@ -80,4 +85,5 @@ def run_against_reference(model, reference, plan, ids, mask, steps: int):
             assert mine[layer] == expected[layer], f"step {step} layer {layer}"
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    reference.kvpolicy_cache = session.last_cache  # for checks beyond the kept positions
     return ours.steps

@@ -250,3 +250,108 @@ class BruteForceRoCo(BruteForce):
             scope = stable_first[: len(kept) - protected]
             evict = sorted(scope, key=lambda j: (mu[j], j))[: len(kept) - self.budget]
             kept.difference_update(evict)
+
+
+class BruteForceFastGen(BruteForce):
+    """Ge et al.: each head's cheapest pattern recovering T of its prompt attention (per query head, reduced
+    by min or mean over the group), then kept while decoding: special/punct tokens, the ceil(r_l L) newest,
+    and the ceil(r_f L) most attended of the rest. Per-query local masks are applied one (query, key) at a time."""
+
+    name = "fastgen_bruteforce"
+    BITS = {"special": 1, "punct": 2, "frequency": 4, "local": 8}
+
+    def __init__(self, special, punct, threshold=0.95, local_ratio=0.3, frequency_ratio=0.3, recovery="mass",
+                 gqa="min", candidates=("special", "special+punct", "special+punct+frequency",
+                                        "special+punct+frequency+local", "full"), pattern=None, sinks=0):
+        super().__init__(budget=0)
+        self.special, self.punct, self.sinks = set(special), set(punct), sinks
+        self.target = threshold if recovery == "mass" else (1 + threshold) / 2
+        self.r_l, self.r_f, self.gqa = local_ratio, frequency_ratio, gqa
+        self.candidates = [set(c.split("+")) for c in candidates]
+        if {"full"} not in self.candidates:
+            self.candidates.append({"full"})
+        self.pattern = None if pattern is None else set(pattern.split("+"))
+        self.ids: list[list[int]] = []  # per row: the token id at every padded index so far
+        self.patterns: dict[tuple[int, int, int], str] = {}
+
+    def hook(self, model):
+        """Record every forward pass's input ids (the reference attention sees no ids)."""
+
+        def record(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not self.ids or ids.shape[0] != len(self.ids):
+                self.ids = [[] for _ in range(ids.shape[0])]
+            for b, row in enumerate(ids.tolist()):
+                self.ids[b] += row
+
+        return model.register_forward_pre_hook(record, with_kwargs=True)
+
+    def share(self, ratio, tokens):
+        return max(1, math.ceil(ratio * tokens - 1e-9))
+
+    def sets(self, b, kept):
+        special = {j for j in kept if self.ids[b][j] in self.special or self.position[b][j] < self.sinks}
+        punct = {j for j in kept if self.ids[b][j] in self.punct}
+        return special, punct
+
+    def rule(self, layer, b, calls):
+        for h, (_new, rows) in calls.items():
+            kept = self.kept[(layer, b, h)]
+            acc = self.data.setdefault((layer, b, h), {})
+            for _, cols, heads in rows:
+                for j in cols:
+                    acc[j] = acc.get(j, 0.0) + mean(head[j] for head in heads)
+            if (layer, b, h) not in self.patterns:
+                self.patterns[(layer, b, h)] = self.profile(b, kept, acc, rows)
+            pattern = set(self.patterns[(layer, b, h)].split("+"))
+            if "full" in pattern:
+                continue
+            seen = self.seen
+            special, punct = self.sets(b, kept)
+            fixed = set()
+            if "special" in pattern:
+                fixed |= special
+            if "punct" in pattern:
+                fixed |= punct
+            if "local" in pattern:
+                fixed |= {j for j in kept if seen - self.position[b][j] <= self.share(self.r_l, seen)}
+            top = []
+            if "frequency" in pattern:
+                top = sorted(kept - fixed, key=lambda j: (-acc[j], j))[: self.share(self.r_f, seen)]
+            kept.intersection_update(fixed | set(top))
+
+    def profile(self, b, kept, acc, rows):
+        if self.pattern is not None:
+            return "+".join(sorted(self.pattern))
+        n, seen = len(rows), self.seen
+        window, frequent = self.share(self.r_l, seen), self.share(self.r_f, seen)
+        special, punct = self.sets(b, kept)
+        newest = {j for j in kept if seen - self.position[b][j] <= window}
+        best, best_cost = None, math.inf
+        for candidate in self.candidates:
+            if candidate == {"full"}:
+                recovery, cost = 1.0, len(kept)
+            else:
+                chosen = set()
+                if "special" in candidate:
+                    chosen |= special
+                if "punct" in candidate:
+                    chosen |= punct
+                if "frequency" in candidate:
+                    excluded = chosen | (newest if "local" in candidate else set())
+                    chosen |= set(sorted(kept - excluded, key=lambda j: (-acc[j], j))[:frequent])
+                local = "local" in candidate
+                masses = []
+                for g in range(len(rows[0][2])):
+                    total = 0.0
+                    for i, cols, heads in rows:
+                        for j in cols:
+                            near = local and self.position[b][i] - self.position[b][j] < window
+                            if j in chosen or near:
+                                total += heads[g][j]
+                    masses.append(total / n)
+                recovery = min(masses) if self.gqa == "min" else mean(masses)
+                cost = len(chosen | newest) if local else len(chosen)
+            if recovery >= self.target - 1e-9 and cost < best_cost:
+                best, best_cost = candidate, cost
+        return "+".join(sorted(best))

@@ -1,4 +1,4 @@
-"""Scissorhands, RoCo, TOVA, SnapKV and AdaKV keep exactly what a brute-force reference keeps, at every step.
+"""Scissorhands, RoCo, TOVA, SnapKV, AdaKV and FastGen keep exactly what a brute-force reference keeps, at every step.
 
 Each reference (tests/policy_references.py) computes attention by hand over Python sets
 and applies the paper's rule to Python floats; kvpolicy must keep the same positions per
@@ -12,6 +12,7 @@ import pytest
 from helpers import run_against_reference, uniform_plan
 from policy_references import (
     BruteForceAdaKV,
+    BruteForceFastGen,
     BruteForceRoCo,
     BruteForceScissorhands,
     BruteForceSnapKV,
@@ -22,6 +23,9 @@ from tiny_models import padded_batch, tiny_model
 from kvpolicy.plan import Budget
 
 STEPS = 9  # the prefill pass plus 8 decode steps
+FG_SPECIAL = (3, 5)
+FG_PUNCT = tuple(range(10, 128, 9))
+FG_CANDIDATES = ("local", "punct", "frequency", "punct+local", "frequency+local", "full")
 
 CASES = {
     "tova": (lambda: BruteForceTOVA(7), "tova", Budget(tokens=7), {}),
@@ -61,6 +65,30 @@ CASES = {
         lambda: BruteForceAdaKV(9, window=2, kernel=5, alpha=0.5, pooling="max", decode="evict_oldest"),
         "adakv", Budget(tokens=9), {"window": 2, "kernel": 5, "alpha": 0.5, "pooling": "max", "decode": "evict_oldest"},
     ),
+    # FastGen: token sets given as ids (the tiny models have no tokenizer); random prompts hold a few of each
+    "fastgen": (
+        lambda: BruteForceFastGen(FG_SPECIAL, FG_PUNCT),
+        "fastgen", None, {"special_tokens": FG_SPECIAL, "punct_tokens": FG_PUNCT},
+    ),
+    "fastgen-mean-l1": (
+        lambda: BruteForceFastGen(FG_SPECIAL, FG_PUNCT, threshold=0.7, recovery="l1", gqa="mean", sinks=1),
+        "fastgen", None,
+        {"special_tokens": FG_SPECIAL, "punct_tokens": FG_PUNCT, "threshold": 0.7, "recovery": "l1", "gqa": "mean",
+         "sinks": 1},
+    ),
+    # candidates outside the paper's list, ordered by what they keep on each prompt, not by the list
+    "fastgen-candidates": (
+        lambda: BruteForceFastGen(FG_SPECIAL, FG_PUNCT, threshold=0.6, local_ratio=0.2, frequency_ratio=0.25,
+                                  candidates=FG_CANDIDATES),
+        "fastgen", None,
+        {"special_tokens": FG_SPECIAL, "punct_tokens": FG_PUNCT, "threshold": 0.6, "local_ratio": 0.2,
+         "frequency_ratio": 0.25, "candidates": FG_CANDIDATES},
+    ),
+    "fastgen-fixed": (
+        lambda: BruteForceFastGen(FG_SPECIAL, FG_PUNCT, pattern="punct+frequency", frequency_ratio=0.4),
+        "fastgen", None,
+        {"special_tokens": FG_SPECIAL, "punct_tokens": FG_PUNCT, "pattern": "punct+frequency", "frequency_ratio": 0.4},
+    ),
 }
 # the short prompt of the snapkv cases (3 tokens) is no longer than the window: nothing to score
 LENGTHS = {"snapkv": (17, 12, 3), "adakv": (17, 12, 6)}
@@ -73,9 +101,19 @@ def test_matches_bruteforce(case, arch):
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=LENGTHS.get(policy, (17, 12, 9)))
 
-    steps = run_against_reference(model, make_reference(), uniform_plan(model, policy, budget, **params), ids, mask, STEPS)
-    assert all(len(head) < 17 for head in steps[0][0][0])  # the longest prompt was really compressed
+    reference = make_reference()
+    steps = run_against_reference(model, reference, uniform_plan(model, policy, budget, **params), ids, mask, STEPS)
     layers = range(model.config.num_hidden_layers)
+    if policy == "fastgen":  # the same pattern per (layer, row, KV head), and heads of one layer differ
+        cache = reference.kvpolicy_cache
+        labels = {(layer, b, h): set(label.split("+")) for layer in layers
+                  for b, row in enumerate(cache.layers[layer].cell_labels()) for h, label in enumerate(row)}
+        assert labels == {key: set(pattern.split("+")) for key, pattern in reference.patterns.items()}
+        assert any(len(head) < 17 for layer in layers for head in steps[0][layer][0])  # some heads compress
+        if "pattern" not in params:
+            assert len({frozenset(p) for p in labels.values()}) > 1, labels
+        return
+    assert all(len(head) < 17 for head in steps[0][0][0])  # the longest prompt was really compressed
     if arch == "llama" and policy != "tova":  # per-head policies: the heads of a layer choose differently
         assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
     if policy == "adakv":  # heads of a layer keep different numbers of tokens, summing to the layer's budget

@@ -35,7 +35,7 @@ def plugin(*policies) -> types.ModuleType:
 def test_builtins_register_through_the_hook():
     registry = Registry(load_entry_points=False)
     assert registry.names() == [
-        "adakv", "full", "h2o", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
+        "adakv", "fastgen", "full", "h2o", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
     ]
     assert {entry.source for entry in registry.policies.values()} == {"built-in"}
     assert registry.get("h2o").needs == frozenset({"colsum"})
@@ -62,7 +62,7 @@ def test_broken_plugin_is_reported_and_others_still_work(bad, reason):
     registry._add_plugin(plugin(bad), "broken", "plugin broken 0.1")
     assert reason in registry.broken["broken"]
     assert registry.get("h2o")
-    with pytest.raises(KVPolicyError, match="Available: adakv, full, h2o, roco, scissorhands, snapkv, streaming, tova, window"):
+    with pytest.raises(KVPolicyError, match="Available: adakv, fastgen, full, h2o, roco, scissorhands, snapkv, streaming, tova, window"):
         registry.get("needy")
 
 
@@ -75,10 +75,15 @@ def test_policy_scores_have_the_view_shape():
     view_positions = torch.arange(6).expand(2, 3, 6)
     from kvpolicy.policies.base import TokenView
 
-    view = TokenView(view_positions, torch.ones(2, 3, 6, dtype=torch.bool), torch.tensor([6, 6]), torch.full((2, 3), 4))
+    from tiny_models import char_tokenizer
+
+    view = TokenView(view_positions, torch.ones(2, 3, 6, dtype=torch.bool), torch.tensor([6, 6]), torch.full((2, 3), 4),
+                     token_ids=torch.arange(6, dtype=torch.int32).expand(2, 3, 6))
     for name in Registry(load_entry_points=False).names():
         policy = Registry(load_entry_points=False).get(name)()
+        policy.prepare(tokenizer=char_tokenizer())
         state = {key: torch.zeros(2, 3, 6) for key in policy.state}
+        state |= {key: torch.zeros(2, 3, dtype=dtype) for key, dtype in policy.cell_state.items()}
         assert policy.score(state, view).shape == (2, 3, 6)
 
 

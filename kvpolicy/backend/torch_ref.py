@@ -57,6 +57,7 @@ def attend_tracking(
     query_valid: torch.Tensor | None,
     past_slots: int,
     last_rows: int = 0,
+    near_for: Callable[[int, int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention output [B, q, Hq, D] plus the requested statistics over the ``T`` key slots.
 
@@ -65,6 +66,8 @@ def attend_tracking(
     only causality applies. New queries sit at slots ``past_slots + i``, so a chunk never
     needs keys past its last query's slot (the causal half is skipped).
     ``query_valid`` [B, q] marks real (non-pad) queries; pads add nothing to statistics.
+    ``near_for(lo, hi, slots)`` ([B, Hkv, hi-lo, slots] bool, like ``mask_for``) says which keys are
+    within the local band of each query, for ``near_colsum_heads``.
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, total_slots = keys.shape[1], keys.shape[2]
@@ -75,6 +78,14 @@ def attend_tracking(
     colsum = torch.zeros(batch, kv_heads, total_slots, dtype=stats_dtype, device=query.device)
     colsum_sq = torch.zeros_like(colsum) if "colsum_sq" in needs else None
     below = torch.zeros_like(colsum) if "below_uniform" in needs else None
+    # per query head, for policies that do not reduce over the group by the mean (FastGen's profile)
+    per_head = (batch, kv_heads, groups, total_slots)
+    heads_sum = torch.zeros(per_head, dtype=stats_dtype, device=query.device) if "colsum_heads" in needs else None
+    near_sum = None
+    if "near_colsum_heads" in needs:
+        if near_for is None:
+            raise ValueError("near_colsum_heads needs near_for (the local band of each query)")
+        near_sum = torch.zeros(per_head, dtype=stats_dtype, device=query.device)
     rows_out = None
     if "last_rows" in needs and last_rows > 0:
         window = min(last_rows, queries)
@@ -105,6 +116,10 @@ def attend_tracking(
         colsum[..., :slots] += probs.sum(dim=3).mean(dim=2)
         if colsum_sq is not None:
             colsum_sq[..., :slots] += probs.square().sum(dim=3).mean(dim=2)
+        if heads_sum is not None:
+            heads_sum[..., :slots] += probs.sum(dim=3)
+        if near_sum is not None:
+            near_sum[..., :slots] += (probs * near_for(lo, hi, slots)[:, :, None]).sum(dim=3)
         if below is not None:
             if mask is None:
                 mask = _causal_mask(past_slots, lo, hi, slots, query.device)
@@ -121,7 +136,8 @@ def attend_tracking(
     output = torch.cat(outputs, dim=2).to(query.dtype).transpose(1, 2)
     real = query_valid.sum(dim=1) if query_valid is not None else torch.full((batch,), queries, device=query.device)
     stats = AttentionStats(
-        queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out
+        queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out,
+        colsum_heads=heads_sum, near_colsum_heads=near_sum,
     )
     return output, stats
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 #: The statistics the shared attention backend can return (DESIGN.md, "Attention statistics").
-STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows"})
+STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "near_colsum_heads"})
 
 
 @dataclass
@@ -26,6 +26,14 @@ class AttentionStats:
     All are fp32 probabilities over the layer's storage slots (``T`` = slots in use);
     slots that are empty or masked get 0. ``queries`` counts the real (non-pad) queries
     of the call per batch row.
+
+    ``colsum_heads`` and ``near_colsum_heads`` keep the G query heads of each KV head apart
+    (``[B, Hkv, G, T]``), for policies that reduce over them another way than the mean
+    (FastGen's profile takes the minimum). ``near_colsum_heads`` sums only the (query, key)
+    pairs whose positions are less than ``ceil(near_ratio x n)`` apart, ``n`` being the real
+    tokens the row has seen, so a query's own key is always near: with ``colsum_heads`` it
+    gives, without any T x T matrix, the attention that stays within a local window of
+    each query and the part that falls outside it.
     """
 
     queries: torch.Tensor  # [B] int64
@@ -33,6 +41,8 @@ class AttentionStats:
     colsum_sq: torch.Tensor | None = None  # [B, Hkv, T]
     below_uniform: torch.Tensor | None = None  # [B, Hkv, T]
     last_rows: torch.Tensor | None = None  # [B, Hkv, W, T]
+    colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T], per query head (no GQA reduction)
+    near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T], only queries within `near_ratio` of the key
 
 
 @dataclass
@@ -49,7 +59,7 @@ class TokenView:
     valid: torch.Tensor  # [B, Hkv, T] bool
     seen: torch.Tensor  # [B] int64
     budget: torch.Tensor  # [B, Hkv] int64
-    token_ids: torch.Tensor | None = None  # [B, Hkv, T] int64, when a policy asked for them
+    token_ids: torch.Tensor | None = None  # [B, Hkv, T] int32, when a policy asked for them (`needs_token_ids`)
 
     def recent_mask(self, count: torch.Tensor) -> torch.Tensor:
         """Slots holding one of the ``count`` (per row/head, [B, Hkv]) most recent real tokens."""
@@ -87,6 +97,19 @@ class Policy:
     #: True if the policy splits a batch row's budget among its KV heads itself (``allocate``, e.g.
     #: AdaKV); the recipe's per-head budgets then only fix each row's total over the policy's heads.
     allocates: ClassVar[bool] = False
+    #: True if the policy sets the budget of each of its (row, KV head) cells itself at every eviction
+    #: (``budgets``), e.g. FastGen's shares of the current length; a recipe's budget does not apply to it.
+    dynamic_budget: ClassVar[bool] = False
+    #: Statistics read only by ``profile``, at a layer's first attention call (the prompt); later calls skip them.
+    profile_needs: frozenset[str] = frozenset()
+    #: The local band of ``near_colsum_heads``: keys less than ceil(near_ratio x tokens seen) positions back.
+    near_ratio: float = 0.0
+    #: True if ``score``/``budgets``/``profile`` read ``view.token_ids``: the cache then keeps each slot's token id
+    #: (the session records each forward pass's ``input_ids``). Policies that leave it False pay nothing for it.
+    needs_token_ids: bool = False
+    #: Per-cell state: name -> dtype, stored by the cache as ``[batch, kv_heads]`` tensors (not per token; they do
+    #: not move on compaction), passed in the same ``state`` dict; they start at 0.
+    cell_state: ClassVar[dict[str, torch.dtype]] = {}
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -113,6 +136,27 @@ class Policy:
         sized to its own budget (ragged storage) when the cells of a layer differ enough.
         """
         return view.budget
+
+    def budgets(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+        """Per-(row, KV head) budgets ``[B, Hkv]`` (int64), only if ``dynamic_budget``: called at every eviction.
+
+        The cache keeps each of the policy's cells at this many tokens (its top ``score`` ones) and
+        sizes their storage to it, so budgets may differ per cell and change as the sequence grows.
+        """
+        raise NotImplementedError
+
+    def profile(self, state: dict[str, torch.Tensor], stats: AttentionStats, view: TokenView) -> None:
+        """Called once per layer, after its first attention call (the prompt), with ``profile_needs`` in ``stats``.
+
+        Runs before ``observe`` of the same call.
+        """
+
+    def prepare(self, model: Any = None, tokenizer: Any = None) -> None:
+        """Called by `attach` with the model and the tokenizer (None when not given): resolve what depends on them."""
+
+    def cell_labels(self, state: dict[str, torch.Tensor]) -> list[list[str]] | None:
+        """A label per (row, KV head) cell for the memory report (e.g. FastGen's pattern); None: the policy's name."""
+        return None
 
 
 def check_params(policy_cls: type[Policy], params: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..hookspecs import hookimpl
 from .adakv import AdaKV
+from .fastgen import FastGen
 from .full import Full
 from .h2o import H2O
 from .roco import RoCo
@@ -16,4 +17,4 @@ from .window import Window
 
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
-    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV]
+    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen]
