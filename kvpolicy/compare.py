@@ -60,10 +60,16 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tasks(names: list[str]) -> list[Task]:
+    from .registry import get_registry
+
     tasks = available_tasks()
     for name in names:
         if name not in tasks:
-            raise KVPolicyError(f"unknown task {name!r}{did_you_mean(name, tasks)}. Available: {', '.join(tasks)}")
+            broken = get_registry().broken
+            failed = f". Plugins that failed to load: {broken}" if broken else ""
+            raise KVPolicyError(
+                f"unknown task {name!r}{did_you_mean(name, tasks)}. Available: {', '.join(tasks)}{failed}"
+            )
     return [tasks[name] for name in dict.fromkeys(names)]
 
 

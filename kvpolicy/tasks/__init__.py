@@ -7,6 +7,8 @@ returning task objects when the hook specification provides one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .base import Context, Row, Task
 from .fidelity import Fidelity
 from .memory import Memory
@@ -24,13 +26,26 @@ def register_task(task: Task) -> None:
     TASKS[task.name] = task
 
 
-def available_tasks() -> dict[str, Task]:
-    """Built-in and registered tasks, plus those plugins return from a ``kvpolicy_register_tasks`` hook."""
+def available_tasks(registry: Any = None) -> dict[str, Task]:
+    """Built-in and registered tasks, plus those plugins return from a ``kvpolicy_register_tasks`` hook.
+
+    A plugin whose hook raises or returns something that is not a task is reported in the
+    registry's ``broken`` (by plugin name, with the reason); the other tasks stay available.
+    """
     from ..registry import get_registry
 
-    hook = getattr(get_registry().manager.hook, "kvpolicy_register_tasks", None)
-    for tasks in (hook() if hook is not None else []):
-        for task in tasks or []:
+    registry = registry or get_registry()
+    hook = getattr(registry.manager.hook, "kvpolicy_register_tasks", None)
+    for impl in hook.get_hookimpls() if hook is not None else []:
+        try:
+            found = list(impl.function() or [])
+            for task in found:
+                if not isinstance(getattr(task, "name", None), str) or not callable(getattr(task, "run", None)):
+                    raise TypeError(f"{task!r} is not a compare task (it needs a `name` and a `run(context, rows)`)")
+        except Exception as exc:  # a broken plugin must never take kvpolicy down
+            registry.broken.setdefault(impl.plugin_name, f"task registration failed: {type(exc).__name__}: {exc}")
+            continue
+        for task in found:
             TASKS.setdefault(task.name, task)
     return dict(TASKS)
 
