@@ -1,4 +1,4 @@
-"""The ``kvpolicy`` command: generate, compare, bench, validate, policies, recipes."""
+"""The ``kvpolicy`` command: generate, compare, bench, profile, validate, policies, recipes."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.budget:
         recipe = with_budget(recipe, parse_budget(args.budget))
     model, tokenizer = load_model(args.model)
-    session = attach(model, recipe)
+    session = attach(model, recipe, tokenizer=tokenizer)
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
@@ -122,6 +122,32 @@ def cmd_recipes(args: argparse.Namespace) -> None:
         print(f"{name:<12} budget={recipe.budget.describe():<16} {recipe.description}")
 
 
+def cmd_profile(args: argparse.Namespace) -> None:
+    import torch
+
+    from .models import load_model
+    from .profile import params_from_args, profile_model, runtime_recipe
+
+    text = _read_text(args.prompt, args.prompt_file)
+    params = params_from_args(args)
+    runtime_recipe(**params)  # bad params fail here, before the model loads
+    if args.out.exists() and args.out.is_dir():
+        raise KVPolicyError(f"--out {str(args.out)!r} is a folder: give the recipe file to write, e.g. recipe.yaml")
+    model, tokenizer = load_model(args.model)
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat)["input_ids"][0]
+    if args.tokens:
+        ids = ids[: args.tokens]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = Path(args.prompt_file).name if args.prompt_file else "the --prompt text"
+    profile = profile_model(model, tokenizer, ids, source=source, model_name=args.model, **params)
+    print(profile.summary())
+    path = profile.write(args.out, args.name)
+    print(f"wrote {path}: `kvpolicy validate {path}` prints its plan; attach it as any recipe")
+
+
 def cmd_compare(args: argparse.Namespace) -> None:
     from .compare import run_compare
 
@@ -155,6 +181,26 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--layers", type=int, help="number of decoder layers")
     val.add_argument("--kv-heads", type=int, help="number of KV heads per layer")
     val.set_defaults(func=cmd_validate)
+
+    prof = sub.add_parser("profile", help="FastGen: profile each head's pattern on a prompt, write a recipe")
+    prof.add_argument("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    source = prof.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="the profiling prompt text")
+    source.add_argument("--prompt-file", help="a file holding the profiling prompt")
+    prof.add_argument("--out", type=Path, required=True, help="the recipe file to write (YAML)")
+    prof.add_argument("--name", help="the recipe's name (default: the --out file name without .yaml)")
+    prof.add_argument("--threshold", type=float, help="recovery threshold T in (0, 1] (default: 0.95)")
+    prof.add_argument("--local-ratio", type=float, help="r_l, the local window's share of the length (default: 0.3)")
+    prof.add_argument("--frequency-ratio", type=float, help="r_f, the frequent tokens' share of the length (default: 0.3)")
+    prof.add_argument("--recovery", choices=["mass", "l1"], help="how recovery is measured (default: mass)")
+    prof.add_argument("--gqa", choices=["min", "mean"], help="how a KV head's query heads combine (default: min)")
+    prof.add_argument("--sinks", type=int, help="count the first N tokens as special tokens (default: 0)")
+    prof.add_argument("--candidates", nargs="+", metavar="PATTERN",
+                      help="patterns to try, e.g. special special+punct ... full (default: the paper's five)")
+    prof.add_argument("--tokens", type=int, help="profile only the first N tokens of the prompt")
+    prof.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    prof.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    prof.set_defaults(func=cmd_profile)
 
     sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
     sub.add_parser("recipes", help="list the built-in recipes").set_defaults(func=cmd_recipes)

@@ -96,7 +96,14 @@ class Plan:
 
 def _params_text(params: Any) -> str:
     fields = getattr(params, "__dataclass_fields__", {})
-    return ", ".join(f"{name}={getattr(params, name)!r}" for name in fields)
+    return ", ".join(f"{name}={_short(getattr(params, name))}" for name in fields)
+
+
+def _short(value: Any, most: int = 8) -> str:
+    """repr, with long sequences (e.g. FastGen's hundreds of punctuation ids) cut to their first items and a count."""
+    if isinstance(value, (tuple, list)) and len(value) > most:
+        return f"({', '.join(repr(v) for v in value[:most])}, ... {len(value)} items)"
+    return repr(value)
 
 
 def _runs(texts: list[str]) -> list[tuple[str, str]]:

@@ -15,6 +15,13 @@ STEPS = 20
 POLICIES = [
     ("full", {}), ("h2o", {}), ("window", {}), ("streaming", {"sinks": 4}),
     ("streaming", {"sinks": 4, "positions": "in_cache"}),
+    # FastGen keeps everything when its local window (or frequent share) is the whole length: a fixed pattern,
+    # and run-time profiling between two candidates that both keep everything (token ids recorded)
+    ("fastgen", {"pattern": "frequency+local", "local_ratio": 1.0}),
+    ("fastgen", {"candidates": ("special+punct+local", "full"), "local_ratio": 1.0, "special_tokens": (2,),
+                 "punct_tokens": tuple(range(10, 128, 9))}),
+    ("fastgen", {"threshold": 0.5, "frequency_ratio": 1.0, "candidates": ("punct+frequency",),
+                 "special_tokens": (), "punct_tokens": (11, 12)}),
 ]
 
 

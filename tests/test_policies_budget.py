@@ -25,8 +25,10 @@ POLICIES = [
     ("adakv", {"window": 3, "pooling": "max", "alpha": 0.5, "decode": "evict_oldest"}),
 ]
 
-# the budget test covers the core policies too
-BUDGET_POLICIES = [("h2o", {}), ("window", {}), ("streaming", {"sinks": 2}), *POLICIES]
+# the budget test covers the core policies too, and FastGen (whose budgets are its own: see below)
+FASTGEN = {"special_tokens": (2,), "punct_tokens": tuple(range(10, 128, 7))}
+BUDGET_POLICIES = [("h2o", {}), ("window", {}), ("streaming", {"sinks": 2}), *POLICIES, ("fastgen", FASTGEN),
+                   ("fastgen", {**FASTGEN, "threshold": 0.7, "gqa": "mean"})]
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
@@ -36,11 +38,23 @@ def test_budget_held_after_prefill_and_every_step(policy, params, budget, arch):
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=LENGTHS)
     session = attach(model, uniform_plan(model, policy, budget, **params))
-    recorder = StepRecorder(lambda: per_head_counts(session.last_cache))
+    dynamic = get_registry().get(policy).dynamic_budget
+    recorder = StepRecorder(lambda: per_head_counts(session.last_cache) if not dynamic else
+                            (per_head_counts(session.last_cache), [layer.budget.clone() for layer in session.last_cache.layers]))
     greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
     session.detach()
     expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])
     assert len(recorder.steps) == 12
+    if dynamic:
+        # FastGen: the recipe's budget does not apply; every head holds what its pattern allows at every step
+        # (tests/test_fastgen.py checks those figures against the patterns)
+        for step, (counts, budgets) in enumerate(recorder.steps):
+            for layer_counts, layer_budgets in zip(counts, budgets, strict=True):
+                assert torch.equal(layer_counts, layer_budgets), f"step {step}"
+                assert bool((layer_counts <= torch.tensor(LENGTHS)[:, None] + step).all()), f"step {step}"
+        seen = torch.tensor(LENGTHS)[:, None] + 11
+        assert any(bool((layer_counts < seen).any()) for layer_counts in recorder.steps[-1][0])  # some heads evict
+        return
     if get_registry().get(policy).allocates:
         # head-wise budgets (AdaKV): each row's heads share heads x budget; each head's share, at least
         # floor(alpha x budget), is set at the prefill (every prompt here is over budget) and then held

@@ -73,9 +73,9 @@ def test_unknown_policy_suggests_the_closest():
 
 def test_policy_scores_have_the_view_shape():
     view_positions = torch.arange(6).expand(2, 3, 6)
-    from kvpolicy.policies.base import TokenView
-
     from tiny_models import char_tokenizer
+
+    from kvpolicy.policies.base import TokenView
 
     view = TokenView(view_positions, torch.ones(2, 3, 6, dtype=torch.bool), torch.tensor([6, 6]), torch.full((2, 3), 4),
                      token_ids=torch.arange(6, dtype=torch.int32).expand(2, 3, 6))

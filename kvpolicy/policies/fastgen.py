@@ -298,11 +298,13 @@ class FastGen(Policy):
         if view.token_ids is None:
             raise KVPolicyError("policy 'fastgen' reads token ids but the cache kept none")
         special_table, punct_table = self._lookup(view.valid.device)
-        ids = view.token_ids.long().clamp(0, special_table.numel() - 1)
-        special = special_table[ids] & view.valid
+        size = special_table.numel()
+        known = view.valid & (view.token_ids < size)  # ids past the tables (past every listed id) are in no set
+        ids = view.token_ids.long().clamp(0, size - 1)
+        special = special_table[ids] & known
         if self.params.sinks:
             special |= view.valid & (view.positions < self.params.sinks)
-        return special, punct_table[ids] & view.valid
+        return special, punct_table[ids] & known
 
     def _fixed_and_candidates(self, bits: torch.Tensor, view: TokenView) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept whatever the scores, frequency candidates), [B, Hkv, T] bool, for pattern bits [B, Hkv]."""

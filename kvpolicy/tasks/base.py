@@ -109,9 +109,9 @@ def forward(model: Any, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         return model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **kwargs)
 
 
-def batched_session(model: Any, rows: list[Row]):
-    """One kvpolicy session where batch row i follows ``rows[i]``."""
-    return attach_rows(model, [row.spec for row in rows])
+def batched_session(model: Any, rows: list[Row], tokenizer: Any = None):
+    """One kvpolicy session where batch row i follows ``rows[i]`` (``tokenizer``: for policies that read it)."""
+    return attach_rows(model, [row.spec for row in rows], tokenizer=tokenizer)
 
 
 def text_segments(ctx: Context, length: int, count: int) -> list[torch.Tensor]:
@@ -138,7 +138,9 @@ def alone_key(row: Row | None, ids: torch.Tensor) -> tuple:
     return ("alone", row.label if row is not None else "plain", ids.numel(), ALONE_DECODE_STEPS)
 
 
-def run_alone(model: Any, spec: Any, ids: torch.Tensor, steps: int = ALONE_DECODE_STEPS) -> dict[str, Any]:
+def run_alone(
+    model: Any, spec: Any, ids: torch.Tensor, steps: int = ALONE_DECODE_STEPS, tokenizer: Any = None
+) -> dict[str, Any]:
     """Prefill ``ids`` then decode ``steps`` greedy tokens, batch of one, timed.
 
     ``spec`` is a recipe (a kvpolicy session with its PolicyCache) or None for plain
@@ -149,7 +151,7 @@ def run_alone(model: Any, spec: Any, ids: torch.Tensor, steps: int = ALONE_DECOD
 
     from ..attach import attach
 
-    session = attach(model, spec) if spec is not None else None
+    session = attach(model, spec, tokenizer=tokenizer) if spec is not None else None
     previous = model.config._attn_implementation
     if session is None and previous != "sdpa":
         model.set_attn_implementation("sdpa")

@@ -67,7 +67,7 @@ def compare_to_full(ctx: Context, full: Row, rows: list[Row], prompt: torch.Tens
     """[4, len(rows)]: greedy match, agreeing prefix, mean KL and top-1 agreement on one prompt."""
     model, n = ctx.model, len(rows)
     batch = [full, *rows, *rows]  # 0: full; 1..n: free-running; n+1..2n: teacher-forced
-    session = batched_session(model, batch)
+    session = batched_session(model, batch, tokenizer=ctx.tokenizer)
     free_tokens, full_tokens, kls, top1 = [], [], [], []
     try:
         cache = session.new_cache()

@@ -43,7 +43,7 @@ class Memory:
         prompt = ctx.text_ids[: ctx.tokens]
         results = []
         for row in ctx.track(rows, len(rows), "memory (one row at a time)"):
-            run = ctx.memo.get(alone_key(row, prompt)) or run_alone(ctx.model, row.spec, prompt)
+            run = ctx.memo.get(alone_key(row, prompt)) or run_alone(ctx.model, row.spec, prompt, tokenizer=ctx.tokenizer)
             prefill, end = run["prefill_memory"], run["end_memory"]
             results.append({
                 "kv_live_prefill_bytes": prefill["live"],

@@ -109,7 +109,7 @@ class Passkey:
 def greedy_answers(ctx: Context, rows: list[Row], input_ids: list[int], new_tokens: int) -> list[str]:
     """Each row's greedy continuation of the same prompt, decoded."""
     model, batch = ctx.model, len(rows)
-    session = batched_session(model, rows)
+    session = batched_session(model, rows, tokenizer=ctx.tokenizer)
     try:
         cache = session.new_cache()
         ids = torch.tensor([input_ids]).expand(batch, -1)

@@ -57,7 +57,7 @@ class Perplexity:
 def streaming_nll(ctx: Context, rows: list[Row], ids: torch.Tensor, step: int) -> tuple[torch.Tensor, list[float]]:
     """Summed NLL per row of ``ids[1:]`` given the earlier tokens, fed ``step`` at a time; kept tokens per row."""
     model, batch, count = ctx.model, len(rows), ids.numel()
-    session = batched_session(model, rows)
+    session = batched_session(model, rows, tokenizer=ctx.tokenizer)
     try:
         cache = session.new_cache(prompt_tokens=count)
         total = torch.zeros(batch, dtype=torch.float64)

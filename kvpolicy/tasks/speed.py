@@ -48,7 +48,8 @@ class Speed:
         schedule = [(rep, (rep + i) % len(configs)) for rep in range(REPEATS) for i in range(len(configs))]
         for _, index in ctx.track(schedule, len(schedule), f"speed ({len(configs)} configurations x {REPEATS})"):
             config = configs[index]
-            run = run_alone(ctx.model, config.spec if config is not None else None, prompt, DECODE_STEPS)
+            run = run_alone(ctx.model, config.spec if config is not None else None, prompt, DECODE_STEPS,
+                            tokenizer=ctx.tokenizer)
             ctx.memo.setdefault(alone_key(config, prompt), run)  # the memory task may reuse it
             prefill[index].append(run["prefill_s"])
             decode[index].append(run["decode_s"] * 1000 / DECODE_STEPS)
