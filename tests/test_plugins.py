@@ -22,6 +22,8 @@ PLUGINS = Path(__file__).resolve().parent.parent / "plugins"
 EXAMPLES = {
     "kvpolicy-strided": ("kvpolicy-strided", "strided", "examples/strided.yaml"),
     "kvpolicy-recency-h2o": ("kvpolicy-recency-h2o", "recency_h2o", "examples/recency_h2o.yaml"),
+    # written by a newcomer from docs/ alone, to check that the docs suffice
+    "kvpolicy-random": ("kvpolicy-random", "random", "examples/random.yaml"),
 }
 TOKENS, PROMPT = 64, 48
 
@@ -69,7 +71,7 @@ def test_compare_sweep_runs_the_plugin_policies_and_task(installed, tiny, tmp_pa
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     by = {(r["task"], r["recipe"]): r for r in results}
-    recipes = ["full", "strided", "recency_h2o", "h2o"]
+    recipes = ["full", "strided", "recency_h2o", "random", "h2o"]
     assert set(by) == {(task, recipe) for task in ("ppl", "kvtokens") for recipe in recipes}
     for recipe in recipes:
         assert math.isfinite(by["ppl", recipe]["ppl"]) and by["ppl", recipe]["ppl"] > 1
