@@ -134,7 +134,9 @@ def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, A
     for label, recipe in recipes:
         plan = with_budget(recipe, budgets[0][1]).resolve(layers, heads)
         if not any(budget_is_bounded(head.budget) for layer in plan.layers for head in layer.heads):
-            rows.append(Row(label, None, recipe))
+            # no budget to sweep: once; policies that size heads themselves (FastGen) still evict
+            own = any(head.budget.by_policy for layer in plan.layers for head in layer.heads)
+            rows.append(Row(label, None, recipe, evicts=own))
             continue
         rows.extend(Row(label, text, with_budget(recipe, budget), budget) for text, budget in budgets)
     return rows
@@ -323,7 +325,7 @@ def _progress(console: Any):
 def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Context, meta: dict[str, Any]) -> dict:
     value = row.value
     return {
-        "task": task.name, "recipe": row.recipe, "budget": row.budget,
+        "task": task.name, "recipe": row.recipe, "budget": row.budget, "evicts": row.evicts or row.budget is not None,
         "budget_ratio": getattr(value, "ratio", None), "budget_tokens": getattr(value, "tokens", None),
         **metrics, "settings": task.settings(ctx), **meta, "key": key,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -336,7 +338,8 @@ def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Contex
 def _budget_text(row: Row | dict) -> str:
     budget = row.budget if isinstance(row, Row) else row["budget"]
     if budget is None:
-        return "all"
+        evicts = row.evicts if isinstance(row, Row) else row.get("evicts", False)
+        return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
     return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
 
 
@@ -410,7 +413,10 @@ def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, 
     for recipe in recipes:
         mine = [r for r in results if r["recipe"] == recipe]
         if all(r["budget"] is None for r in mine):
-            ax.axhline(mine[0][metric], color="black", linestyle="--", linewidth=1, label=f"{recipe} (no eviction)")
+            own = bool(mine[0].get("evicts"))  # FastGen: evicts by budgets of its own, one figure at every budget
+            ax.axhline(mine[0][metric], color=f"C{drawn}" if own else "black", linestyle=":" if own else "--",
+                       linewidth=1.5 if own else 1, label=f"{recipe} ({'own budgets' if own else 'no eviction'})")
+            drawn += own
             continue
         points = sorted((x_of[r["budget"]], r[metric]) for r in mine if r["budget"] is not None)
         ax.plot(*zip(*points, strict=True), marker=_MARKERS[drawn % len(_MARKERS)], markersize=max(3, 8 - 1.5 * drawn),

@@ -192,3 +192,18 @@ def test_bad_model_text_or_out_exits_2(tiny, tmp_path, capsys):
         argv = ["compare", "--model", folder, "--text-file", text, *SIZES, "--out", str(tmp_path / "run"), *extra]
         assert main(argv) == 2, extra
         assert message in capsys.readouterr().err, extra
+
+
+def test_fastgen_runs_once_and_is_measured_not_taken_for_the_full_cache(tiny, tmp_path):
+    """FastGen has no recipe budget (it sizes each head itself): one row, measured like any evicting row."""
+    out, recipe = tmp_path / "fastgen", tmp_path / "fastgen.yaml"
+    recipe.write_text("kvpolicy: 1\nname: fastgen\npolicy: fastgen\nparams: {pattern: frequency+local}\n")
+    assert compare(tiny, out, "--recipes", str(recipe), "h2o", "--budgets", "0.5", "--tasks", "fidelity", "memory",
+                   "ppl", "--ppl-mode", "chunked") == 0
+    rows = {(r["task"], r["recipe"]): r for r in results(out)}
+    assert {(r["recipe"], r["budget"]) for r in rows.values()} == {("full", None), ("fastgen", None), ("h2o", "0.5")}
+    fastgen, full = rows[("fidelity", "fastgen")], rows[("fidelity", "full")]
+    assert fastgen["evicts"] and not full["evicts"]
+    assert fastgen["kl"] > 0  # measured against the full cache, not copied from it
+    assert rows[("memory", "fastgen")]["kv_live_bytes"] < rows[("memory", "full")]["kv_live_bytes"]
+    assert rows[("ppl", "fastgen")]["kv_tokens"] < rows[("ppl", "full")]["kv_tokens"]

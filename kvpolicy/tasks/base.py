@@ -25,13 +25,17 @@ class Row:
     """One line of a sweep: a recipe (``spec``: a Recipe or Plan, budget applied) under a label."""
 
     recipe: str  # label shown in tables and plots
-    budget: str | None  # canonical budget text ("0.2" = 20%, "512" = tokens); None: the recipe keeps everything
+    # canonical budget text ("0.2" = 20%, "512" = tokens); None: no recipe budget applies (run once)
+    budget: str | None
     spec: Any
     value: Budget | None = None
+    # with no recipe budget: True if its policies still evict by budgets of their own (FastGen), else it keeps all
+    evicts: bool = False
 
     @property
     def is_full(self) -> bool:
-        return self.budget is None
+        """The row keeps every token (a baseline), rather than evicting by a budget of the recipe's or its own."""
+        return self.budget is None and not self.evicts
 
     @property
     def label(self) -> str:
