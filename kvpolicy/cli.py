@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,12 @@ def cmd_recipes(args: argparse.Namespace) -> None:
 
     for name in builtin_recipe_names():
         recipe = load_recipe(name)
-        print(f"{name:<12} budget={recipe.budget.describe():<16} {recipe.description}")
+        budget = "per head" if recipe._default[0].dynamic_budget else recipe.budget.describe()  # FastGen: its own
+        print(f"{name:<12} budget={budget:<16} {recipe.description}")
+
+
+def _listed(value: object) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
@@ -143,6 +149,13 @@ def cmd_profile(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     source = Path(args.prompt_file).name if args.prompt_file else "the --prompt text"
     profile = profile_model(model, tokenizer, ids, source=source, model_name=args.model, **params)
+    profile.command = shlex.join(["kvpolicy", "profile", "--model", args.model,
+                                  *(["--prompt-file", args.prompt_file] if args.prompt_file else []),
+                                  *(["--tokens", str(args.tokens)] if args.tokens else []),
+                                  *(["--chat"] if args.chat else []),
+                                  *[part for key, value in params.items()
+                                    for part in (f"--{key.replace('_', '-')}", *map(str, _listed(value)))],
+                                  "--out", str(args.out)])
     print(profile.summary())
     path = profile.write(args.out, args.name)
     print(f"wrote {path}: `kvpolicy validate {path}` prints its plan; attach it as any recipe")

@@ -186,8 +186,10 @@ def schedules_block() -> str:
 
 
 def _needs_text(cls: type[Policy]) -> str:
+    profile = ", ".join(f"`{stat}`" for stat in sorted(cls.profile_needs))
+    profile = f"; at a layer's first attention call (the prompt) also {profile}, for `profile`" if profile else ""
     if not cls.needs:
-        return "none: the layer may run plain SDPA, with no tracking cost"
+        return "none: the layer may run plain SDPA, with no tracking cost" + profile
     needs = []
     for stat in sorted(cls.needs):
         if stat == "last_rows":
@@ -196,18 +198,30 @@ def _needs_text(cls: type[Policy]) -> str:
             needs.append(f"`last_rows` (the last {window} {'query' if window == 1 else 'queries'}{depends})")
         else:
             needs.append(f"`{stat}`")
-    return ", ".join(needs)
+    return ", ".join(needs) + profile
 
 
 def policy_block(cls: type[Policy]) -> str:
     """What the code says about one policy: description, statistics, state, budget, parameters."""
-    state = ", ".join(f"`{name}` ({str(dtype).replace('torch.', '')})" for name, dtype in cls.state.items())
+    def dtypes(state: dict) -> str:
+        return ", ".join(f"`{name}` ({str(dtype).replace('torch.', '')})" for name, dtype in state.items())
+
+    state = dtypes(cls.state)
+    if cls.needs_token_ids:
+        state += (", " if state else "") + "`token_ids` (int32, kept by the cache for it)"
+    if cls.dynamic_budget:
+        budget = "- **Budget:** set by the policy for each (batch row, KV head) at every eviction; a recipe's budget does not apply."
+    elif cls.bounded:
+        budget = "- **Budget:** applies (the policy evicts)."
+    else:
+        budget = "- **Budget:** does not apply (nothing is evicted)."
     lines = [
         f"- **Summary** (`description`): {cls.description}.",
         f"- **Attention statistics (`needs`):** {_needs_text(cls)}.",
         f"- **Per-token state:** {state} per (batch row, KV head, token)." if state else
         "- **Per-token state:** none.",
-        "- **Budget:** applies (the policy evicts)." if cls.bounded else "- **Budget:** does not apply (nothing is evicted).",
+        *([f"- **Per-head state:** {dtypes(cls.cell_state)} per (batch row, KV head)."] if cls.cell_state else []),
+        budget,
         f"- **Class:** `{cls.__module__}.{cls.__qualname__}`, parameters `{cls.Params.__qualname__}`.",
         "",
     ]
@@ -246,7 +260,8 @@ def statistics_block(registry: Registry) -> str:
     for field in dataclasses.fields(AttentionStats):
         if field.name not in STAT_NAMES:
             continue
-        users = ", ".join(f"`{n}`" for n in registry.names() if field.name in registry.get(n).needs) or "-"
+        users = ", ".join(f"`{n}`" for n in registry.names()
+                          if field.name in registry.get(n).needs | registry.get(n).profile_needs) or "-"
         rows.append(f"| `{field.name}` | `{comments.get(field.name, '')}` | {users} |")
     return "\n".join(rows)
 

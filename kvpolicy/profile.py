@@ -39,6 +39,7 @@ class Profile:
     bytes_per_token: int  # K + V bytes of one token in one KV head
     source: str = "<prompt>"
     model: str = "<model>"
+    command: str = ""  # the command that made it, for the recipe's header
 
     @property
     def heads(self) -> int:
@@ -78,6 +79,7 @@ class Profile:
             f"FastGen patterns profiled by kvpolicy profile on {self.source} ({self.prompt_tokens} tokens) at "
             f"threshold {self.params.threshold:g}: {self.saving():.0%} of the prompt's KV freed")
         lines = [
+            *([f"# {self.command}"] if self.command else []),
             f"# Written by `kvpolicy profile` for {self.model}: {self.source}, {self.prompt_tokens} tokens,",
             f"# threshold {self.params.threshold:g} (recovery {self.params.recovery}, gqa {self.params.gqa}), "
             f"local_ratio {self.params.local_ratio:g}, frequency_ratio {self.params.frequency_ratio:g}.",

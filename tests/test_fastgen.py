@@ -302,6 +302,7 @@ def test_token_sets_come_from_the_tokenizer_unless_the_recipe_lists_them():
     ({"pattern": "special+punk"}, 'unknown pattern component .punk.*did you mean "punct"'),
     ({"candidates": ("special", "locality")}, "unknown pattern component 'locality'"),
     ({"candidates": ()}, "at least one"),
+    ({"special_tokens": ("",)}, "non-empty token strings"),
     ({"pattern": "local+local"}, "twice"),
     ({"sinks": -1}, "sinks"),
     ({"punct_tokens": (-3,)}, "token ids >= 0"),

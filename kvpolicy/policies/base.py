@@ -41,8 +41,8 @@ class AttentionStats:
     colsum_sq: torch.Tensor | None = None  # [B, Hkv, T]
     below_uniform: torch.Tensor | None = None  # [B, Hkv, T]
     last_rows: torch.Tensor | None = None  # [B, Hkv, W, T]
-    colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T], per query head (no GQA reduction)
-    near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T], only queries within `near_ratio` of the key
+    colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
+    near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
 
 
 @dataclass

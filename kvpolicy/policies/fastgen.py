@@ -164,29 +164,28 @@ class FastGenParams:
 
     def validate(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold!r}")
+            raise ValueError("threshold must be in (0, 1]")
         if not 0.0 < self.local_ratio <= 1.0:
-            raise ValueError(f"local_ratio must be in (0, 1], got {self.local_ratio!r}")
+            raise ValueError("local_ratio must be in (0, 1]")
         if not 0.0 < self.frequency_ratio <= 1.0:
-            raise ValueError(f"frequency_ratio must be in (0, 1], got {self.frequency_ratio!r}")
+            raise ValueError("frequency_ratio must be in (0, 1]")
         if self.recovery not in ("mass", "l1"):
-            raise ValueError(f'recovery must be "mass" or "l1", got {self.recovery!r}')
+            raise ValueError('recovery must be "mass" or "l1"')
         if self.gqa not in ("min", "mean"):
-            raise ValueError(f'gqa must be "min" or "mean", got {self.gqa!r}')
+            raise ValueError('gqa must be "min" or "mean"')
         if not self.candidates:
-            raise ValueError("candidates must name at least one pattern")
+            raise ValueError("candidates must list at least one")
         for candidate in self.candidates:
-            parse_pattern(candidate)
+            parse_pattern(candidate)  # names the unknown component
         if self.pattern is not None:
             parse_pattern(self.pattern)
         if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks!r}")
-        for name in ("special_tokens", "punct_tokens"):
-            for token in getattr(self, name) or ():
-                if isinstance(token, bool) or not isinstance(token, (int, str)) or token == "" or (
-                    isinstance(token, int) and token < 0
-                ):
-                    raise ValueError(f"{name} entries must be token ids >= 0 or non-empty token strings, got {token!r}")
+            raise ValueError("sinks must be >= 0")
+        for token in (*(self.special_tokens or ()), *(self.punct_tokens or ())):
+            if isinstance(token, bool) or not isinstance(token, (int, str)) or token == "" or (
+                isinstance(token, int) and token < 0
+            ):
+                raise ValueError("special_tokens and punct_tokens list token ids >= 0 or non-empty token strings")
 
 
 class FastGen(Policy):
