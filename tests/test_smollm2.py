@@ -84,6 +84,30 @@ def test_adakv_head_budgets_held_and_coherent_text(smollm2):
     assert sum(layer["ragged"] for layer in report.layers) >= 10  # 20 here; near-even layers stay dense
 
 
+@pytest.mark.parametrize("recipe", ["fastgen", "fastgen-smollm2"])
+def test_fastgen_generates_with_head_patterns_and_memory_freed(smollm2, recipe):
+    """FastGen (profiled now, or the shipped profile): right continuation, heads keep what their patterns say,
+    several patterns in the memory report, allocated within 10% of live."""
+    model, tokenizer = smollm2
+    inputs = days_prompt(tokenizer)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    session = kvpolicy.attach(model, kvpolicy.load_recipe(recipe), tokenizer=tokenizer)
+    with torch.inference_mode():
+        output = session.generate(**inputs, max_new_tokens=12, do_sample=False)
+    session.detach()
+    text = tokenizer.decode(output[0, prompt_tokens:])
+    assert "Thursday" in text and "Friday" in text, text
+    report = session.last_cache.memory_report()
+    seen = prompt_tokens + 11
+    assert report.live_kv_bytes < 0.9 * 30 * 3 * seen * 2 * 64 * 4  # at least a tenth freed
+    assert report.allocated_kv_bytes <= 1.10 * report.live_kv_bytes
+    assert len(report.by_label()) >= 2 and any(layer["ragged"] for layer in report.layers)
+    for layer in session.last_cache.layers:  # local and frequency each keep ceil(0.3 L) tokens, or the head is full
+        counts = layer.valid.sum(dim=2)[0]
+        for label, count in zip(layer.cell_labels()[0], counts.tolist(), strict=True):
+            assert count == seen if label == "full" else math.ceil(0.3 * seen) <= count < seen, (label, count)
+
+
 def test_streaming_perplexity_bounded_cache_is_close_to_full(smollm2):
     """Token by token over 300 tokens: H2O at 50% stays near full; the cache never grows past the budget."""
     model, tokenizer = smollm2
