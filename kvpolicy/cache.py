@@ -742,13 +742,14 @@ class PolicyLayer(CacheLayerMixin):
         """Cells, tokens, live and allocated K/V bytes per cell label (report time only: Python loops are fine)."""
         cells = tokens.numel()
         rows = self.cap.tolist() if self.ragged else None
+        counts = tokens.tolist()  # one device sync, not one per cell
         out: dict[str, dict[str, int]] = {}
         for b, row in enumerate(self.cell_labels()):
             for h, label in enumerate(row):
                 entry = out.setdefault(label, {"cells": 0, "tokens": 0, "live_kv_bytes": 0, "allocated_kv_bytes": 0})
                 entry["cells"] += 1
-                entry["tokens"] += int(tokens[b, h])
-                entry["live_kv_bytes"] += int(tokens[b, h]) * per_token
+                entry["tokens"] += counts[b][h]
+                entry["live_kv_bytes"] += counts[b][h] * per_token
                 # dense storage gives every cell the same share; ragged storage each cell its own segment
                 entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
         return out
