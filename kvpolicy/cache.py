@@ -209,15 +209,7 @@ class PolicyLayer(CacheLayerMixin):
         self.past_packed = self.packed_tokens is not None
         self.keys[:, :, start : start + count] = key_states
         self.values[:, :, start : start + count] = value_states
-        self.valid[:, :, start : start + count] = True
-        for tensor in self.state.values():
-            tensor[:, :, start : start + count] = 0
-        if self.token_id_policies:
-            self._append_token_ids(start, count)
-        self.used += count
-        self.seen += count
-        self.pending = (start, count)
-        _active.layer = self
+        self._append_slots(start, count)
         return self.keys[:, :, : self.used], self.values[:, :, : self.used]
 
     def _margin(self, slots: int) -> int:
@@ -505,6 +497,18 @@ class PolicyLayer(CacheLayerMixin):
         self.offset, self.cap = offset, caps
         self.room = int((caps - tokens).min())
 
+    def _append_slots(self, start: int, count: int) -> None:
+        """Per-slot metadata of ``count`` tokens just stored at slots [start, start + count); announce the layer."""
+        self.valid[:, :, start : start + count] = True
+        for tensor in self.state.values():
+            tensor[:, :, start : start + count] = 0
+        if self.token_id_policies:
+            self._append_token_ids(start, count)
+        self.used += count
+        self.seen += count
+        self.pending = (start, count)
+        _active.layer = self
+
     def _ragged_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """Append at each cell's own next segment row; return the dense copy of the layer attention reads."""
         batch, heads, count, _ = key_states.shape
@@ -523,16 +527,8 @@ class PolicyLayer(CacheLayerMixin):
         rows = (home[..., None] + torch.arange(count, device=self.device)).reshape(-1)
         self.keys.index_copy_(0, rows, key_states.reshape(-1, key_states.shape[-1]).to(self.keys.dtype))
         self.values.index_copy_(0, rows, value_states.reshape(-1, value_states.shape[-1]).to(self.values.dtype))
-        self.valid[:, :, start : start + count] = True
-        for tensor in self.state.values():
-            tensor[:, :, start : start + count] = 0
-        if self.token_id_policies:
-            self._append_token_ids(start, count)
-        self.used += count
-        self.seen += count
         self.past_packed = False
-        self.pending = (start, count)
-        _active.layer = self
+        self._append_slots(start, count)
         # slot s of a cell: its row s below its token count, then (gap: any row, masked) this pass's rows
         slot = torch.arange(self.used, device=self.device)
         tokens = self.cell_tokens[..., None]

@@ -87,3 +87,17 @@ def run_against_reference(model, reference, plan, ids, mask, steps: int):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
     reference.kvpolicy_cache = session.last_cache  # for checks beyond the kept positions
     return ours.steps
+
+
+def run_script_under_interpreter(script: str) -> None:
+    """Run ``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (triton reads it at import); it must print "ok"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop("KVPOLICY_BACKEND", None)
+    result = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent.parent, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -7,15 +7,11 @@ tests/test_policies_reference.py; parity when everything is kept in tests/test_p
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import StepRecorder, greedy, uniform_plan
+from helpers import StepRecorder, greedy, run_script_under_interpreter, uniform_plan
 from tiny_models import char_tokenizer, padded_batch, tiny_model
 
 from kvpolicy.attach import attach
@@ -411,9 +407,4 @@ print("ok")
 
 def test_triton_backend_profiles_on_torch_then_decodes_on_triton():
     """The profiling call falls back to the torch reference; decode steps use the kernels (interpreter)."""
-    root = Path(__file__).parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("KVPOLICY_BACKEND", None)
-    result = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_script_under_interpreter(TRITON_SCRIPT)

@@ -4,15 +4,11 @@ equal-width (dense) storage computes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
+from helpers import StepRecorder, greedy, per_head_counts, run_script_under_interpreter, uniform_plan
 from tiny_models import padded_batch, tiny_model
 
 import kvpolicy.cache
@@ -282,9 +278,4 @@ print("ok")
 
 def test_triton_backend_on_ragged_layers():
     """The Triton kernels read a ragged layer's dense copy as they read dense storage (interpreter, subprocess)."""
-    root = Path(__file__).parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("KVPOLICY_BACKEND", None)
-    result = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], cwd=root, env=env, capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+    run_script_under_interpreter(TRITON_SCRIPT)
