@@ -42,6 +42,7 @@ Dense layers (every cell alike, the common case) keep the dense layout and its f
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -319,7 +320,7 @@ class PolicyLayer(CacheLayerMixin):
         if stats is not None:
             for group in self.groups:
                 if group.policy.needs:
-                    group.policy.observe(self._group_state(group), stats)
+                    group.policy.observe(self._group_state(group), _stats_for(group.policy, stats))
         self.appended = self.pending[0]
         self.pending = None
         _active.layer = None
@@ -749,6 +750,14 @@ class PolicyLayer(CacheLayerMixin):
                 # dense storage gives every cell the same share; ragged storage each cell its own segment
                 entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
         return out
+
+
+def _stats_for(policy: Policy, stats: AttentionStats) -> AttentionStats:
+    """``stats`` as ``policy`` asked for them: ``last_rows`` holds the layer's widest window, so cut it to the policy's."""
+    rows = stats.last_rows
+    if rows is None or "last_rows" not in policy.needs or rows.shape[2] <= policy.last_rows_window:
+        return stats
+    return dataclasses.replace(stats, last_rows=rows[:, :, rows.shape[2] - policy.last_rows_window :])
 
 
 def _checked(policy: Policy, scores: object, valid: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,33 @@ def test_rows_with_different_recipes_match_each_recipe_alone():
     assert [int(n) for n in session.last_cache.layers[0].valid.sum(dim=2)[:, 0]] == [21, 5, 7, 4]
 
 
+def test_rows_whose_policies_read_different_windows_match_each_recipe_alone():
+    """A layer computes `last_rows` for its widest window; each policy must still see only its own rows."""
+    from kvpolicy.attach import attach_rows
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(16,))
+    plans = [
+        uniform_plan(model, "snapkv", Budget(tokens=9), window=3, kernel=3),
+        uniform_plan(model, "snapkv", Budget(tokens=9), window=6, kernel=3),
+        uniform_plan(model, "scissorhands", Budget(tokens=8), history_window=2, recent=2),
+        uniform_plan(model, "scissorhands", Budget(tokens=8), history_window=5, recent=2),
+    ]
+    alone = []
+    for plan in plans:
+        session = attach(model, plan)
+        greedy(model, ids, mask, 6, cache=session.new_cache())
+        alone.append([session.last_cache.kept_positions(layer)[0] for layer in range(3)])
+        session.detach()
+    session = attach_rows(model, plans)
+    batch = len(plans)
+    greedy(model, ids.expand(batch, -1), mask.expand(batch, -1), 6, cache=session.new_cache())
+    session.detach()
+    together = [[session.last_cache.kept_positions(layer)[row] for layer in range(3)] for row in range(batch)]
+    assert together == alone
+    assert alone[0] != alone[1] and alone[2] != alone[3]  # the windows matter here, so mixing them would show
+
+
 def test_slack_amortizes_compaction_in_a_ragged_batch():
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=LENGTHS)
