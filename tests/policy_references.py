@@ -94,13 +94,15 @@ class BruteForceH2O(BruteForce):
 
     name = "h2o_bruteforce"
 
-    def __init__(self, budget: int, recent_ratio: float = 0.5):
+    def __init__(self, budget: int, recent_ratio: float = 0.5, decay: float = 1.0):
         super().__init__(budget)
-        self.recent = round(budget * recent_ratio)
+        self.recent, self.decay = round(budget * recent_ratio), decay
 
     def rule(self, layer, b, calls):
         for h, (_, rows) in calls.items():
             score = self.data.setdefault((layer, b, h), {})
+            for j in score:  # older attention fades by `decay` per query of this call
+                score[j] *= self.decay ** len(rows)
             for _, cols, heads in rows:
                 for j in cols:
                     score[j] = score.get(j, 0.0) + mean(head[j] for head in heads)

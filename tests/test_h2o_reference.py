@@ -27,3 +27,15 @@ def test_h2o_matches_bruteforce(arch, budget, lengths):
     assert all(len(head) == budget for step in steps for layer in layers for row in step[layer] for head in row)
     if arch == "llama":  # the heads of a layer are free to keep different tokens, and here they do
         assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
+
+
+def test_h2o_with_decay_matches_bruteforce():
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17, 12, 9))
+    plan = uniform_plan(model, "h2o", Budget(tokens=7), recent_ratio=0.25, decay=0.8)
+    steps = run_against_reference(model, BruteForceH2O(7, recent_ratio=0.25, decay=0.8), plan, ids, mask, STEPS)
+    plain = run_against_reference(
+        model, BruteForceH2O(7, recent_ratio=0.25), uniform_plan(model, "h2o", Budget(tokens=7), recent_ratio=0.25),
+        ids, mask, STEPS,
+    )
+    assert steps != plain  # the decay changes which heavy hitters survive

@@ -21,8 +21,9 @@ class H2OParams:
     # "sum" is the paper; "mean" divides F by the number of queries that saw the token,
     # removing the bias toward early tokens (kvpress ObservedAttention).
     accumulate: str = "sum"
-    # 1.0 is the paper; below 1, older attention fades by this factor per attention call,
-    # so tokens that mattered long ago give way (the decayed sums of KVCache-Factory)
+    # 1.0 is the paper; below 1, older attention fades by this factor per token seen (a call
+    # of n real queries multiplies F by decay**n before adding its column sums), so tokens that
+    # mattered long ago give way, alike token by token or in chunks (KVCache-Factory's decayed sums)
     decay: float = 1.0
 
     def validate(self) -> None:
@@ -43,7 +44,7 @@ class H2O(Policy):
 
     def observe(self, state: dict[str, torch.Tensor], stats: AttentionStats) -> None:
         if self.params.decay < 1.0:
-            state["acc"].mul_(self.params.decay)
+            state["acc"].mul_(torch.pow(self.params.decay, stats.queries.float())[:, None, None])
         state["acc"] += stats.colsum
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
