@@ -16,7 +16,7 @@ from kvpolicy.errors import RecipeError
 from kvpolicy.plan import UNBOUNDED, Budget
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget
 
-NEW_RECIPES = ["tova", "snapkv", "snapkv-wide", "pyramidkv", "scissorhands", "roco"]
+NEW_RECIPES = ["h2o-recent75", "tova", "snapkv", "snapkv-wide", "pyramidkv", "scissorhands", "roco"]
 
 
 def write(tmp_path: Path, text: str) -> Path:
