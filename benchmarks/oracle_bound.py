@@ -27,6 +27,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 import kvpolicy
@@ -63,7 +64,8 @@ def oracle_ppl(model, ids: torch.Tensor, budget: int, select: str = "future", re
     """Chunked streaming perplexity of ``ids`` with the oracle's cache of ``budget`` tokens per (layer, KV head).
 
     ``select``: whose attention picks the tokens, "future" (the scored chunk's own queries:
-    the bound) or "previous" (the chunk before's: causal, but still un-evicting).
+    the bound), "previous" (the chunk before's) or "history" (every earlier query's, summed as
+    H2O does); the last two are causal choices, but still un-evicting.
     ``recent``: the share of the budget pinned to the most recent tokens (as H2O's window).
     """
     AttentionInterface.register("kvpolicy_oracle", oracle_attention)
@@ -83,6 +85,7 @@ def _run(model, ids: torch.Tensor, budget: int, select: str, recent: int) -> flo
     values: list[torch.Tensor | None] = [None] * layers
     total, count = 0.0, ids.numel() - 1
     keyword = cache_keyword(model)
+    history: list[torch.Tensor | None] = [None] * layers
     with torch.inference_mode():
         for start in range(0, count, CHUNK):
             chunk = ids[start : min(start + CHUNK, count)]
@@ -90,20 +93,28 @@ def _run(model, ids: torch.Tensor, budget: int, select: str, recent: int) -> flo
             positions = torch.arange(start, start + chunk.numel())[None]
             keep = None
             previous = dict(_captured)
-            if start > 0:
-                _capture = True
-                model(
-                    input_ids=chunk[None],
-                    position_ids=positions,
-                    use_cache=True,
-                    **{keyword: _cache(keys, values, None)},
+            for i, mass in previous.items():  # every earlier query's attention, summed (H2O's score)
+                history[i] = (
+                    mass
+                    if history[i] is None
+                    else mass + F.pad(history[i], (0, mass.shape[-1] - history[i].shape[-1]))
                 )
-                _capture = False
+            _capture = True
+            model(
+                input_ids=chunk[None],
+                position_ids=positions,
+                use_cache=True,
+                **{keyword: _cache(keys, values, None)},
+            )
+            _capture = False
             if start > budget:
-                # future: this chunk's queries; previous: the last chunk's (a causal choice, still un-evicting)
-                mass = [
-                    (_captured[i][..., :start] if select == "future" else previous[i]) for i in range(layers)
-                ]
+                # future: this chunk's queries; previous: the last chunk's; history: all earlier queries'
+                chosen_by = {
+                    "future": [_captured[i][..., :start] for i in range(layers)],
+                    "previous": previous,
+                    "history": history,
+                }
+                mass = [chosen_by[select][i] for i in range(layers)]
                 if recent:
                     mass = [m.index_fill(-1, torch.arange(start - recent, start), math.inf) for m in mass]
                 keep = [m.topk(budget, dim=-1).indices.sort(dim=-1).values for m in mass]
@@ -144,11 +155,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--select",
-        choices=["future", "previous"],
+        choices=["future", "previous", "history"],
         default="future",
-        help="future: the scored chunk's own attention (the bound); previous: the chunk before's",
+        help="future: the scored chunk's own attention (the bound); previous: the chunk before's; "
+        "history: every earlier query's, summed",
     )
-    parser.add_argument("--recent", type=float, default=0.0, help="share of the budget pinned to recent tokens")
+    parser.add_argument(
+        "--recent", type=float, default=0.0, help="share of the budget pinned to recent tokens"
+    )
     parser.add_argument("--text-file", default=None, help="default: pydoc_data.topics, as compare")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
