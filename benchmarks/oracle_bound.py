@@ -93,20 +93,23 @@ def _run(model, ids: torch.Tensor, budget: int, select: str, recent: int) -> flo
             positions = torch.arange(start, start + chunk.numel())[None]
             keep = None
             previous = dict(_captured)
-            for i, mass in previous.items():  # every earlier query's attention, summed (H2O's score)
-                history[i] = (
-                    mass
-                    if history[i] is None
-                    else mass + F.pad(history[i], (0, mass.shape[-1] - history[i].shape[-1]))
+            if select == "history":
+                for i, mass in previous.items():  # every earlier query's attention, summed (H2O's score)
+                    history[i] = (
+                        mass
+                        if history[i] is None
+                        else mass + F.pad(history[i], (0, mass.shape[-1] - history[i].shape[-1]))
+                    )
+            # the full-context pass only feeds a selection: this chunk's (future), or every chunk's for the causal ones
+            if budget < count and (select != "future" or start > budget):
+                _capture = True
+                model(
+                    input_ids=chunk[None],
+                    position_ids=positions,
+                    use_cache=True,
+                    **{keyword: _cache(keys, values, None)},
                 )
-            _capture = True
-            model(
-                input_ids=chunk[None],
-                position_ids=positions,
-                use_cache=True,
-                **{keyword: _cache(keys, values, None)},
-            )
-            _capture = False
+                _capture = False
             if start > budget:
                 # future: this chunk's queries; previous: the last chunk's; history: all earlier queries'
                 chosen_by = {
