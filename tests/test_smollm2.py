@@ -141,3 +141,26 @@ def test_cli_generate_prints_text_and_memory_report():
     assert result.returncode == 0, result.stderr
     assert "total" in result.stdout and "live KV" in result.stdout
     assert "layers 0-29: heads 0-2: h2o" in result.stdout
+
+
+def test_snapkv_wide_keeps_the_passkey_at_20_percent(smollm2):
+    """The passkey task at 20% with SnapKV's two recipes as rows of one batch (windows 16 and 32).
+
+    `snapkv-wide` repeats the key at every depth (measured 10/10 over two trials); the paper's
+    settings lose its tail (0/10), which is why the wide recipe exists.
+    """
+    from kvpolicy.plan import Budget
+    from kvpolicy.tasks.base import Context, Row
+    from kvpolicy.tasks.passkey import DEPTHS, NEW_TOKENS, greedy_answers, make_prompt
+
+    model, tokenizer = smollm2
+    ctx = Context(model, tokenizer, torch.zeros(0, dtype=torch.long))
+    rows = [Row(name, "0.2", kvpolicy.with_budget(kvpolicy.load_recipe(name), Budget(ratio=0.2)))
+            for name in ("snapkv-wide", "snapkv")]
+    hits = [0, 0]
+    for index, depth in enumerate(DEPTHS):
+        prompt = make_prompt(tokenizer, 400, depth, f"0-0-{index}")  # compare's first trial, seed 0
+        for row, answer in enumerate(greedy_answers(ctx, rows, prompt.input_ids, NEW_TOKENS)):
+            hits[row] += prompt.key in answer
+    assert hits[0] == len(DEPTHS), hits
+    assert hits[1] < hits[0], hits
