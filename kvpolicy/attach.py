@@ -19,17 +19,16 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
 from .backend import torch_ref
-from .backend.select import select_backend
-from .cache import PolicyCache, PolicyLayer, active_layer, build_groups
+from .backend.select import attend, select_backend
+from .cache import CacheLayer, PolicyCache, active_layer
 from .errors import KVPolicyError
 from .plan import Plan
 from .policies.base import Policy
+from .policy_calls import group_cells
 from .registry import Registry, get_registry
-from .rotary import find_inv_freq, in_cache_deltas, rotate
+from .rotary import find_inv_freq
 
 ATTENTION_NAME = "kvpolicy"
-#: statistics only the torch reference computes (read once per layer, at the prompt, by FastGen's profile)
-PROFILE_STATS = frozenset({"colsum_heads", "near_colsum_heads"})
 _registered = False
 _warned_no_cache = False
 
@@ -69,78 +68,9 @@ def kvpolicy_attention(
     query_valid = attention_mask[:, -queries:] if isinstance(attention_mask, torch.Tensor) else None
     if query_valid is not None and bool(query_valid.all()):
         query_valid = None
-    query_positions = layer.begin_attention(query_valid)
-    start, _ = layer.pending
-    slots = layer.used
-
-    def mask_for(lo: int, hi: int, width: int) -> torch.Tensor:
-        return layer.key_mask(query_positions[:, lo:hi], width, sliding_window)
-
-    keys, values = layer.attention_kv()  # dense storage, or a ragged layer's padded copy (cache.py)
-    if layer.in_cache_heads is not None:
-        query, keys = _in_cache_positions(layer, query, keys, query_positions, start)
-    needs = layer.call_needs
-    if needs:
-        # the profiling statistics (per query head, and within a local band: FastGen, once per layer at the
-        # prompt) have no Triton kernel: that one call runs on the torch reference, on the same device
-        if layer.backend == "triton" and not needs & PROFILE_STATS:
-            from .backend.triton_kernels import attend_tracking_triton  # lazy: importing triton is slow
-
-            out, stats = attend_tracking_triton(
-                query, keys, values, layer.valid[:, :, :slots], layer.positions[:, :, :slots], query_positions,
-                scaling, needs, query_valid, start, layer.last_rows_window, sliding_window,
-            )
-        else:
-            # a packed cache with no pads and no window needs no mask beyond causality
-            packed = query_valid is None and sliding_window is None and layer.past_packed
-            near_for = None
-            if "near_colsum_heads" in needs:
-                band = layer.near_band()[:, :, None, None]
-
-                def near_for(lo: int, hi: int, width: int) -> torch.Tensor:
-                    distance = query_positions[:, None, lo:hi, None] - layer.positions[:, :, None, :width]
-                    return distance < band
-
-            out, stats = torch_ref.attend_tracking(
-                query, keys, values, None if packed else mask_for, scaling, needs, query_valid, start,
-                layer.last_rows_window, near_for,
-            )
-    else:
-        out, stats = _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling), None
-    layer.end_attention(stats)
-    return out, None
-
-
-def _in_cache_positions(layer, query, keys, query_positions, start):
-    """Re-rotate keys (and queries) of StreamingLLM in-cache heads to their index within the cache."""
-    batch, q_heads, queries, dim = query.shape
-    kv_heads = keys.shape[1]
-    key_delta, query_delta = in_cache_deltas(
-        layer.positions[:, :, : keys.shape[2]], layer.valid[:, :, : keys.shape[2]], slice(start, start + queries),
-        query_positions,
-    )
-    heads = layer.in_cache_heads.to(keys.device)[:, :, None]
-    keys = rotate(keys, torch.where(heads, key_delta, 0), layer.inv_freq)
-    grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, queries, dim)
-    query = rotate(grouped, torch.where(heads, query_delta, 0)[:, :, None], layer.inv_freq)
-    return query.reshape(batch, q_heads, queries, dim), keys
-
-
-def _plain_attention(layer, query, keys, values, mask_for, query_valid, sliding_window, scaling) -> torch.Tensor:
-    """SDPA for layers whose policies need no statistics, with the cheapest mask that is exact."""
-    queries, slots = query.shape[2], keys.shape[2]
-    packed = sliding_window is None and layer.packed_tokens is not None
-    if packed and queries == 1:
-        return torch_ref.attend_sdpa(query, keys, values, None, scaling)  # a decode step sees every slot
-    if packed and slots == queries:  # a fresh, unpadded prompt
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, keys, values, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != keys.shape[1]
-        )
-        return out.transpose(1, 2)
-    mask = mask_for(0, queries, slots)
-    if bool((mask == mask[:, :1]).all()):
-        mask = mask[:, :1]  # every KV head keeps the same tokens: one mask broadcast over heads
-    return torch_ref.attend_sdpa(query, keys, values, mask, scaling)
+    result = attend(query, layer.begin_call(query_valid, scaling, sliding_window))
+    layer.end_call(result.stats)
+    return result.output, None
 
 
 def _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window):
@@ -192,7 +122,7 @@ class Session:
     def __post_init__(self) -> None:
         for layer in (layer for plan in [self.plan, *self.row_plans] for layer in plan.layers):
             for head in layer.heads:
-                key = (head.policy, repr(head.params))
+                key = head.policy_key
                 if key not in self._policies:
                     policy = self.registry.get(head.policy)(head.params)
                     policy.prepare(model=self.model, tokenizer=self.tokenizer)
@@ -204,11 +134,9 @@ class Session:
         layers = []
         for index in range(len(self.plan.layers)):
             rows = [plan.layers[index] for plan in plans]
-            layer = PolicyLayer(index, rows, build_groups(rows, self._policies), prompt_tokens)
-            layer.backend = self.plan.backend
-            if layer.in_cache_heads is not None:
-                layer.inv_freq = self._inv_freq()
-            layers.append(layer)
+            groups = group_cells([[head.policy_key for head in row.heads] for row in rows], self._policies)
+            inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in groups) else None
+            layers.append(CacheLayer(index, rows, groups, prompt_tokens, self.plan.backend, inv_freq))
         self.last_cache = PolicyCache(layers)
         if self.last_cache.token_feed is not None:
             _record_token_ids(self.model)

@@ -89,11 +89,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 # --- measuring a cache -------------------------------------------------------------------------------
 def _layer_bytes(layer: Any) -> int:
-    """K/V storage plus per-slot metadata (positions, validity, policy state) of one cache layer."""
+    """K/V storage plus metadata of one cache layer: a kvpolicy layer's own count, else a plain layer's K/V."""
+    if hasattr(layer, "nbytes"):
+        return layer.nbytes()
     tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
-    tensors += [getattr(layer, "positions", None), getattr(layer, "valid", None)]
-    tensors += list(getattr(layer, "state", {}).values())
-    tensors += [getattr(layer, name, None) for name in ("offset", "cap", "cell_tokens")]
     return sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -282,13 +281,13 @@ def _decode(model: Any, run: Run, steps: int, metered: bool = False) -> None:
 def rows_holding_budget(run: Run, new_tokens: int) -> tuple[int, int] | None:
     """(rows whose every layer and KV head holds that row's own budget, rows); None for unbounded caches."""
     cache = run.cache
-    if run.config.session is None or not any(layer.bounded for layer in cache.layers):
+    if run.config.session is None or not any(layer.budgets.any_limited for layer in cache.layers):
         return None
     seen = torch.tensor(run.prompt_lengths, device=run.mask.device) + new_tokens
     ok = torch.ones(run.batch, dtype=torch.bool, device=run.mask.device)
     for layer in cache.layers:
         kept = layer.valid.sum(dim=2)
-        budget = torch.where(layer.bounded_cells.to(kept.device), layer.budget, seen[:, None])
+        budget = torch.where(layer.budgets.limited_cells.to(kept.device), layer.budgets.limits, seen[:, None])
         expected = torch.minimum(budget, seen[:, None])
         good = kept <= expected if layer.drops_early else kept == expected
         ok &= good.all(dim=1)
@@ -433,8 +432,8 @@ def run_stream(model: Any, text_ids: torch.Tensor, args: argparse.Namespace, log
 def _stream_summary(samples: list[dict], cache: Any, recipe: Any, log) -> list[dict]:
     """Flatness after warm-up: the first sample with every layer at its budget, plus one more sample."""
     layers = [layer for layer in cache.layers if layer.is_initialized]
-    heads = sum(layer.keys.shape[1] if not getattr(layer, "ragged", False) else layer.cap.shape[1] for layer in layers)
-    per_token = layers[0].keys.shape[-1] * 2 * layers[0].keys.element_size()
+    heads = sum(layer.valid.shape[1] for layer in layers)
+    per_token = layers[0].bytes_per_token()
     budget_bytes = recipe.budget.tokens * heads * per_token if recipe.budget.tokens else None
     warm = next((i for i, s in enumerate(samples) if budget_bytes and s["live_bytes"] >= budget_bytes), None)
     after = samples[warm + 1 :] if warm is not None else []

@@ -58,6 +58,11 @@ class HeadPlan:
     params: Any
     budget: Budget
 
+    @property
+    def policy_key(self) -> tuple[str, str]:
+        """Heads with equal keys share one policy instance (and its state)."""
+        return (self.policy, repr(self.params))
+
     def describe(self) -> str:
         return f"{self.policy}({_params_text(self.params)}) budget={self.budget.describe()}"
 

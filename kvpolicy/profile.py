@@ -156,10 +156,10 @@ def profile_model(model: Any, tokenizer: Any, input_ids: torch.Tensor, *, source
     for layer in cache.layers:
         group = next(g for g in layer.groups if g.policy.name == "fastgen")
         patterns.append(layer.cell_labels()[0])
-        recovery.append(layer.cell_state[f"{group.prefix}recovery"][0].tolist())
+        recovery.append(layer.group_state(group)["recovery"][0].tolist())
         kept.append(layer.valid[0].sum(dim=1).tolist())
     first = cache.layers[0]
-    per_token = (first.keys.shape[-1] + first.values.shape[-1]) * first.keys.element_size()
+    per_token = first.bytes_per_token()
     return Profile(policy.params, ids.shape[1], patterns, recovery, kept, list(getattr(policy, "special_ids", [])),
                    list(getattr(policy, "punct_ids", [])), per_token, source, model_name)
 

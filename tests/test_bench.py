@@ -89,7 +89,7 @@ def test_peak_meter_sees_the_layer_that_holds_the_whole_prompt():
         peak = meter.stop()
         final = cache_bytes(cache)
         layer = cache.layers[0]
-        kv_per_token = layer.keys.shape[1] * 2 * layer.keys.shape[-1] * layer.keys.element_size()
+        kv_per_token = layer.store.keys.shape[1] * 2 * layer.store.keys.shape[-1] * layer.store.keys.element_size()
         assert peak >= final + (120 - 16 - 2) * kv_per_token  # one layer held all 120 tokens' K/V at once
         assert "update" not in layer.__dict__  # unwrapped
     finally:

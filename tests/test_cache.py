@@ -28,7 +28,7 @@ def test_memory_report_is_the_real_storage():
     per_token = 2 * head_dim * 4  # K and V, fp32
     rows, heads, layers = len(LENGTHS), config.num_key_value_heads, config.num_hidden_layers
     assert report.live_kv_bytes == 6 * rows * heads * layers * per_token
-    real = sum(t.numel() * t.element_size() for layer in session.last_cache.layers for t in (layer.keys, layer.values))
+    real = sum(t.numel() * t.element_size() for layer in session.last_cache.layers for t in (layer.store.keys, layer.store.values))
     assert report.allocated_kv_bytes == real
     # storage shrank to the budget after the prompt: the budget, one slot for the next token, one scratch slot
     assert report.allocated_kv_bytes == (6 + 2) * rows * heads * layers * per_token

@@ -175,7 +175,7 @@ def test_budgets_and_memory_per_head_are_what_the_patterns_say(arch, params):
             assert numbers["cells"] == len(cells)
             assert numbers["live_kv_bytes"] == sum(int(counts[b, h]) for b, h in cells) * per_token
         if layer.ragged:  # each segment: the cell's tokens, one slot for the next token, a 1/32 growth margin
-            assert bool((layer.cap >= counts).all()) and bool((layer.cap <= counts + counts // 32 + 3).all())
+            assert bool((layer.store.cap >= counts).all()) and bool((layer.store.cap <= counts + counts // 32 + 3).all())
 
 
 def long_prompt(length: int) -> torch.Tensor:
@@ -219,7 +219,7 @@ def cached_ids(cache, layer: int = 0) -> list[list[int]]:
     for b in range(layer.valid.shape[0]):
         valid = layer.valid[b, 0, : layer.used]
         order = layer.positions[b, 0, : layer.used][valid].argsort()
-        out.append(layer.state["token_ids"][b, 0, : layer.used][valid][order].tolist())
+        out.append(layer.store.slots.token_state["token_ids"][b, 0, : layer.used][valid][order].tolist())
     return out
 
 
@@ -247,7 +247,7 @@ def test_policies_that_read_no_token_ids_pay_nothing_for_them():
         session = attach(model, plan)
         cache = session.new_cache()
         model(input_ids=torch.tensor([[1, 2, 3, 4, 5, 6]]), cache=cache)
-        assert cache.token_feed is None and "token_ids" not in cache.layers[0].state
+        assert cache.token_feed is None and "token_ids" not in cache.layers[0].store.slots.token_state
         assert not model._forward_pre_hooks
         session.detach()
 

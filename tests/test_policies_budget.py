@@ -40,7 +40,7 @@ def test_budget_held_after_prefill_and_every_step(policy, params, budget, arch):
     session = attach(model, uniform_plan(model, policy, budget, **params))
     dynamic = get_registry().get(policy).dynamic_budget
     recorder = StepRecorder(lambda: per_head_counts(session.last_cache) if not dynamic else
-                            (per_head_counts(session.last_cache), [layer.budget.clone() for layer in session.last_cache.layers]))
+                            (per_head_counts(session.last_cache), [layer.budgets.limits.clone() for layer in session.last_cache.layers]))
     greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
     session.detach()
     expected = torch.tensor([budget.tokens or math.ceil(n * budget.ratio) for n in LENGTHS])

@@ -11,7 +11,7 @@ import torch
 from helpers import StepRecorder, greedy, per_head_counts, run_script_under_interpreter, uniform_plan
 from tiny_models import padded_batch, tiny_model
 
-import kvpolicy.cache
+import kvpolicy.storage.ragged
 from kvpolicy.attach import attach, attach_rows, model_shape
 from kvpolicy.plan import Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.recipe import load_recipe
@@ -26,7 +26,7 @@ def per_head_plan(model, heads: list[tuple[str, dict, Budget]]) -> Plan:
 
 
 def storage_bytes(cache) -> int:
-    return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.keys, layer.values))
+    return sum(t.untyped_storage().nbytes() for layer in cache.layers for t in (layer.store.keys, layer.store.values))
 
 
 def chunked_then_greedy(model, cache, ids, mask, chunk: int, steps: int):
@@ -63,7 +63,7 @@ CASES = {
 def run_both(monkeypatch, run):
     """``run()`` with ragged storage allowed, then with every layer kept dense."""
     ragged = run()
-    monkeypatch.setattr(kvpolicy.cache, "RAGGED_MIN_SAVING", float("inf"))
+    monkeypatch.setattr(kvpolicy.storage.ragged, "MIN_SAVING", float("inf"))
     dense = run()
     monkeypatch.undo()
     return ragged, dense
@@ -142,7 +142,7 @@ def test_rows_with_different_recipes_ragged_and_dense_agree(monkeypatch):
     assert steps == dense_steps
     torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=1e-5)
     layer = cache.layers[1]
-    assert layer.ragged and int(layer.cap[0].min()) >= 14 + 39  # the full row grew past its first segment
+    assert layer.ragged and int(layer.store.cap[0].min()) >= 14 + 39  # the full row grew past its first segment
     assert layer.valid.sum(dim=2)[:, 0].tolist()[0] == 14 + 39
 
 
@@ -155,11 +155,11 @@ def check_report(cache, ratio: float = 1.10) -> None:
     for layer, numbers in zip(cache.layers, report.layers, strict=True):
         assert numbers["allocated_kv_bytes"] <= ratio * numbers["live_kv_bytes"], numbers
         assert numbers["allocated_kv_bytes"] == storage_bytes_of(layer)
-        metadata = [layer.positions, layer.valid, *layer.state.values()]
+        metadata = [layer.positions, layer.valid, *layer.store.slots.token_state.values()]
         if numbers["ragged"]:
-            metadata += [layer.offset, layer.cap, layer.cell_tokens]
-            rows = int(layer.cap.sum())
-            assert numbers["allocated_kv_bytes"] == rows * (layer.keys.shape[-1] + layer.values.shape[-1]) * 4
+            metadata += [layer.store.offset, layer.store.cap, layer.store.cell_tokens]
+            rows = int(layer.store.cap.sum())
+            assert numbers["allocated_kv_bytes"] == rows * (layer.store.keys.shape[-1] + layer.store.values.shape[-1]) * 4
         assert numbers["metadata_bytes"] == sum(t.untyped_storage().nbytes() for t in metadata)
     assert report.allocated_kv_bytes == storage_bytes(cache)
     text = str(report)
@@ -167,7 +167,7 @@ def check_report(cache, ratio: float = 1.10) -> None:
 
 
 def storage_bytes_of(layer) -> int:
-    return layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
+    return layer.store.keys.untyped_storage().nbytes() + layer.store.values.untyped_storage().nbytes()
 
 
 def long_prompt(length: int) -> torch.Tensor:
@@ -194,7 +194,7 @@ def test_unequal_head_budgets_from_a_recipe_get_ragged_storage(tmp_path):
         assert all(layer.tolist() == [[120, 24]] for layer in counts)
     check_report(session.last_cache)
     dense = 2 * (120 + 2)  # equal-width storage: two cells of the largest budget + 2 slots each
-    assert all(int(layer.cap.sum()) == 121 + 25 < dense for layer in session.last_cache.layers)
+    assert all(int(layer.store.cap.sum()) == 121 + 25 < dense for layer in session.last_cache.layers)
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
@@ -224,7 +224,7 @@ def test_adakv_without_a_long_call_splits_evenly_and_stays_dense():
         model(input_ids=torch.tensor([[token]]), cache=cache)
     session.detach()
     assert cache.kept_positions(1)[0] == [[5, 6, 7, 8]] * 2
-    assert all(layer.uniform_limit == 4 and not layer.ragged for layer in cache.layers)
+    assert all(layer.budgets.uniform_limit == 4 and not layer.ragged for layer in cache.layers)
 
 
 def test_allocate_must_return_one_budget_per_cell():

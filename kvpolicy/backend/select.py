@@ -1,4 +1,4 @@
-"""Which attention backend a session runs: the torch reference or the Triton kernels."""
+"""Which attention backend runs: the torch reference or the Triton kernels; `attend` hands a call to it."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ import os
 import torch
 
 from ..errors import KVPolicyError, did_you_mean
+from . import torch_ref
+from .call import AttentionCall, AttentionResult
 
 BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "KVPOLICY_BACKEND"
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
@@ -66,7 +69,7 @@ def select_backend(name: str | None, device: torch.device | str | None = None, *
             f"install it (pip install triton), or use backend: torch / auto"
             + (f", or unset {ENV_VAR}" if env else "")
         )
-    if on_cuda or _interpreting():
+    if on_cuda or interpreting():
         return "triton"
     where = f"the model is on {dev}" if dev is not None else "no CUDA device is available"
     hint = " (move the model to a CUDA device)" if dev is not None and torch.cuda.is_available() else ""
@@ -76,3 +79,12 @@ def select_backend(name: str | None, device: torch.device | str | None = None, *
         + (f", or unset {ENV_VAR}" if env else "")
         + "; to run the kernels on CPU for testing only, set TRITON_INTERPRET=1 before importing triton"
     )
+
+
+def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
+    """Run ``call`` on its backend (``call.backend``, resolved by `select_backend`)."""
+    if call.backend == "triton":
+        from . import triton_kernels  # lazy: importing triton is slow
+
+        return triton_kernels.attend(query, call)
+    return torch_ref.attend(query, call)

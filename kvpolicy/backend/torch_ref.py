@@ -14,10 +14,41 @@ import torch
 import torch.nn.functional as F
 
 from ..policies.base import AttentionStats
+from .call import AttentionCall, AttentionResult
 
 # probabilities held at once per chunk, summed over batch and heads: small enough to stay in
 # cache (about 100 queries at 4K context for SmolLM2's 9 heads; measured fastest on 2 cores)
 _CHUNK_ELEMENTS = 1 << 22
+
+
+def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
+    """One layer's attention call: plain SDPA when no statistics are asked for, else with score tracking."""
+    query = call.prepare_query(query)
+    if not call.needs:
+        return AttentionResult(attend_plain(query, call), None)
+    near_for = call.near_mask if "near_colsum_heads" in call.needs else None
+    out, stats = attend_tracking(
+        query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
+        call.query_valid, call.past_slots, call.last_rows_window, near_for,
+    )
+    return AttentionResult(out, stats)
+
+
+def attend_plain(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """SDPA with the cheapest mask that is exact, for calls that need no statistics."""
+    queries, slots = query.shape[2], call.keys.shape[2]
+    if call.causal_only and queries == 1:
+        return attend_sdpa(query, call.keys, call.values, None, call.scaling)  # a decode step sees every slot
+    if call.causal_only and slots == queries:  # a fresh, unpadded prompt
+        out = F.scaled_dot_product_attention(
+            query, call.keys, call.values, is_causal=True, scale=call.scaling,
+            enable_gqa=query.shape[1] != call.keys.shape[1],
+        )
+        return out.transpose(1, 2)
+    mask = call.key_mask(0, queries, slots)
+    if bool((mask == mask[:, :1]).all()):
+        mask = mask[:, :1]  # every KV head keeps the same tokens: one mask broadcast over heads
+    return attend_sdpa(query, call.keys, call.values, mask, call.scaling)
 
 
 def attend_sdpa(

@@ -35,24 +35,21 @@ bf16 dot is wrong). Triton picks compile-or-interpret when it is first imported,
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..policies.base import AttentionStats
+from . import torch_ref
+from .call import AttentionCall, AttentionResult
+from .select import interpreting
 
 LOG2E = 1.4426950408889634
 #: the decode path is taken when the G query heads times the queries of a call fit one tile of rows
 DECODE_MAX_ROWS = 16
 #: tests only: feed fp16 to ``tl.dot`` as the GPU path does, even under the interpreter (its fp16 dot is right)
 NATIVE_DOT_UNDER_INTERPRETER = False
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -431,6 +428,26 @@ def _num_splits(batch_heads: int, keys: int, block: int, interpret: bool, device
 
 def _as_u8(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+#: statistics only the torch reference computes (read once per layer, at the prompt, by FastGen's profile)
+TORCH_ONLY_STATS = frozenset({"colsum_heads", "near_colsum_heads"})
+
+
+def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
+    """One layer's attention call, as `torch_ref.attend`: the kernels when statistics are asked for.
+
+    Calls without statistics run SDPA (the fastest exact kernel there is), and the profiling
+    statistics, which have no kernel, run on the torch reference on the same device.
+    """
+    if not call.needs or call.needs & TORCH_ONLY_STATS:
+        return torch_ref.attend(query, call)
+    query = call.prepare_query(query)
+    out, stats = attend_tracking_triton(
+        query, call.keys, call.values, call.valid, call.key_positions, call.query_positions, call.scaling,
+        call.needs, call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
+    )
+    return AttentionResult(out, stats)
 
 
 def attend_tracking_triton(

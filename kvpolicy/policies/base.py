@@ -110,6 +110,9 @@ class Policy:
     #: Per-cell state: name -> dtype, stored by the cache as ``[batch, kv_heads]`` tensors (not per token; they do
     #: not move on compaction), passed in the same ``state`` dict; they start at 0.
     cell_state: ClassVar[dict[str, torch.dtype]] = {}
+    #: True if the cache re-rotates this policy's keys (and queries) to their index within the cache at every
+    #: call (StreamingLLM's in-cache positions) instead of keeping their original RoPE positions.
+    in_cache_positions: bool = False
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()

@@ -32,6 +32,10 @@ class Streaming(Policy):
     description = "`sinks` first tokens + the most recent ones; no attention statistics"
     Params = StreamingParams
 
+    def __init__(self, params: StreamingParams | None = None) -> None:
+        super().__init__(params)
+        self.in_cache_positions = self.params.positions == "in_cache"
+
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         recency = view.positions.float()
         return torch.where(view.positions < self.params.sinks, torch.inf, recency)

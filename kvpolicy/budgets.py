@@ -1,0 +1,137 @@
+"""`CellBudgets`: how many tokens each cell (batch row, KV head) of one layer may keep, and how storage is sized.
+
+Budgets come from the recipe (`plan.Budget`: tokens, or a ratio of the prompt resolved at the
+first forward pass), except for two kinds of policy: ``allocates`` policies (AdaKV) split a
+row's budget among their heads once, at the row's first eviction; ``dynamic_budget`` policies
+(FastGen) set their cells' budgets at every eviction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .errors import KVPolicyError
+from .plan import LayerPlan
+from .policies.base import TokenView
+from .policy_calls import PolicyGroup, checked
+from .storage.base import headroom
+
+StateOf = Callable[[PolicyGroup], dict[str, torch.Tensor]]
+
+
+class CellBudgets:
+    def __init__(self, row_plans: list[LayerPlan], groups: list[PolicyGroup], prompt_tokens: int | None):
+        self.row_plans = row_plans
+        self.prompt_tokens = prompt_tokens
+        self.allocating = [g for g in groups if g.policy.allocates]
+        self.dynamic = [g for g in groups if g.policy.dynamic_budget]
+        self.dynamic_cells = torch.stack([g.cells for g in self.dynamic]).any(dim=0) if self.dynamic else None
+        self.limited_cells = torch.tensor([[_limited(h.budget) for h in row.heads] for row in row_plans])
+        if self.dynamic_cells is not None:
+            self.limited_cells |= self.dynamic_cells
+        self.any_limited = bool(self.limited_cells.any())
+        self.slack = max((h.budget.slack for row in row_plans for h in row.heads), default=0)
+        self.reset()
+
+    def reset(self) -> None:
+        self.limits: torch.Tensor | None = None  # [B, Hkv] int64, resolved at the first forward pass
+        self.uniform_limit: int | None = None  # one limit for every cell, once known (the dense decode fast path)
+        self.allocated: torch.Tensor | None = None  # [B, Hkv] bool: cells whose limits an allocating policy fixed
+        self._allocation_done = False
+
+    @property
+    def budgets_grow(self) -> bool:
+        return self.dynamic_cells is not None
+
+    def resolve(self, tokens_seen: torch.Tensor, first_call_tokens: int) -> None:
+        """Limits per cell from each row's first forward pass (``tokens_seen`` real tokens), or ``prompt_tokens``."""
+        batch, device = tokens_seen.shape[0], tokens_seen.device
+        if self.prompt_tokens is not None:
+            prompt = torch.full((batch,), self.prompt_tokens, dtype=torch.long, device=device)
+        else:
+            prompt = tokens_seen
+            if first_call_tokens == 1 and any(h.budget.ratio is not None for row in self.row_plans for h in row.heads):
+                raise KVPolicyError(
+                    "a ratio budget is resolved from the prompt, but the first forward pass had one token; "
+                    "pass the prompt length: session.new_cache(prompt_tokens=N), or use a budget in tokens"
+                )
+        if len(self.row_plans) not in (1, batch):
+            raise KVPolicyError(f"the cache was made for {len(self.row_plans)} batch rows but the batch has {batch}")
+        limits = [
+            [h.budget.resolve(prompt[b : b + 1])[0] for h in self.row_plans[b if len(self.row_plans) > 1 else 0].heads]
+            for b in range(batch)
+        ]
+        self.limits = torch.tensor(limits, dtype=torch.long, device=device)
+        if self.allocating:
+            self.allocated = torch.zeros_like(self.limits, dtype=torch.bool)
+        elif not self.dynamic:  # budgets that change at every eviction have no one limit
+            self._note_uniform()
+
+    def _note_uniform(self) -> None:
+        if bool(self.limited_cells.all()) and int(self.limits.min()) == int(self.limits.max()):
+            self.uniform_limit = int(self.limits.max())
+
+    def set_by_policies(self, state_of: StateOf, view: TokenView) -> None:
+        """Limits of the cells whose policies set them (FastGen), asked again at every eviction."""
+        limits = self.limits
+        for group in self.dynamic:
+            given = checked(group.policy, "returned budgets", group.policy.budgets(state_of(group), view),
+                            limits.shape, "batch, kv_heads")
+            limits = torch.where(group.cells.to(limits.device), given.to(limits).clamp(min=0), limits)
+        self.limits = limits
+
+    def allocation_pending(self) -> bool:
+        """An allocating policy has cells whose limits are not fixed yet (a sync; only asked while pending)."""
+        if self.allocated is None or self._allocation_done:
+            return False
+        owned = torch.stack([g.cells.to(self.allocated.device).expand_as(self.allocated) for g in self.allocating])
+        self._allocation_done = bool((self.allocated | ~owned.any(dim=0)).all())
+        return not self._allocation_done
+
+    def allocate(self, state_of: StateOf, view: TokenView, count: torch.Tensor) -> None:
+        """Let allocating policies set the limits of rows at their first eviction; fixed afterwards."""
+        unlimited = ~self.limited_cells.to(count.device)
+        over = (count - torch.where(unlimited, count, self.limits)) > self.slack
+        limits = self.limits
+        for group in self.allocating:
+            cells = group.cells.to(count.device).expand_as(over)
+            rows = (over & cells).any(dim=1) & (cells & ~self.allocated).any(dim=1)
+            if not bool(rows.any()):
+                continue
+            chosen = cells & rows[:, None]
+            given = checked(group.policy, "allocated budgets", group.policy.allocate(state_of(group), view, chosen),
+                            chosen.shape, "batch, kv_heads")
+            limits = torch.where(chosen, given.to(limits).clamp(min=0), limits)
+            self.allocated |= chosen
+        self.limits = limits
+        if not self.allocation_pending() and not self.dynamic:
+            self._note_uniform()  # an even split: the dense decode fast path applies again
+
+    def effective(self, count: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv]: the limit of each cell, its own count where it has none."""
+        return torch.where(self.limited_cells.to(count.device), self.limits, count)
+
+    # --- sizing storage (the `storage.base.Sizing` protocol) -------------------------------------------
+    def segment_sizes(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows [B, Hkv] for cells holding ``tokens``: limit + slack + 1 (the next token), or amortized growth."""
+        limited = self.limited_cells.to(tokens.device).expand_as(tokens)
+        grow = tokens + headroom(tokens, False)
+        size = torch.maximum(self.limits, tokens) + self.slack + 1
+        if self.dynamic_cells is not None:  # budgets that grow with the sequence: a little headroom
+            size = torch.where(self.dynamic_cells.to(tokens.device), size + headroom(size, True), size)
+        return torch.where(limited, size, grow)
+
+    def grown_segments(self, needed: torch.Tensor) -> torch.Tensor:
+        """Rows [B, Hkv] for segments that must hold ``needed`` tokens during a pass."""
+        limited = self.limited_cells.to(needed.device).expand_as(needed)
+        grown = torch.where(limited, needed, needed + headroom(needed, False))
+        if self.dynamic_cells is not None:
+            grown = torch.where(self.dynamic_cells.to(needed.device), needed + headroom(needed, True), grown)
+        return grown
+
+
+def _limited(budget) -> bool:
+    return budget.tokens is not None or budget.ratio is not None
+

@@ -1,0 +1,324 @@
+"""`PolicyLayer`: one layer of a policy cache, whatever engine runs the model.
+
+It owns the layer's policies (one `PolicyGroup` per distinct policy and params), their
+budgets (`CellBudgets`) and a storage format (`storage.KVStore`: dense, switching to ragged
+when its cells' budgets differ enough). An engine integration drives it per forward pass:
+
+    keys, values = layer.append(k, v)          # this pass's keys (after RoPE) and values
+    call = layer.begin_call(query_valid, ...)  # an `AttentionCall` for the backends
+    result = backend.attend(query, call)
+    layer.end_call(result.stats)               # policies observe, then eviction
+
+Keys are stored after RoPE at their original positions; StreamingLLM's in-cache positions
+re-rotate keys and queries at each call instead of storing pre-RoPE copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backend.call import AttentionCall
+from .budgets import CellBudgets
+from .errors import KVPolicyError
+from .plan import LayerPlan
+from .policies.base import AttentionStats, TokenView
+from .policy_calls import NaNCheck, PolicyGroup, checked, stats_for
+from .rotary import in_cache_deltas, rotate
+from .storage.base import KVStore, storage_bytes
+from .storage.dense import DenseStore
+from .storage.ragged import RaggedStore, ragged_pays
+
+
+@dataclass
+class TokenFeed:
+    """The ``input_ids`` [B, q] of the forward pass in progress, for layers that keep token ids (set by the engine)."""
+
+    ids: torch.Tensor | None = None
+
+
+class PolicyLayer:
+    def __init__(self, layer_idx: int, row_plans: list[LayerPlan], groups: list[PolicyGroup],
+                 prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None):
+        """``row_plans``: one LayerPlan shared by every batch row, or one per batch row."""
+        self.layer_idx, self.row_plans, self.groups, self.backend = layer_idx, row_plans, groups, backend
+        policies = [g.policy for g in groups]
+        self.needs = frozenset().union(*(p.needs for p in policies))
+        # statistics only the first attention call reads (a policy's `profile` of the prompt, e.g. FastGen)
+        self.profile_needs = frozenset().union(*(p.profile_needs for p in policies)) - self.needs
+        self.profiling = [g for g in groups if g.policy.profile_needs]
+        self.near_ratio = torch.zeros(len(row_plans), len(row_plans[0].heads), dtype=torch.float64)  # per cell
+        for g in groups:
+            if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
+                self.near_ratio[g.cells] = g.policy.near_ratio
+        self.last_rows_window = max([p.last_rows_window for p in policies if "last_rows" in p.needs] or [0])
+        self.drops_early = any(p.drops_early for p in policies)
+        # per-slot token ids, kept only when a policy reads them (FastGen's special/punctuation tokens)
+        self.token_id_policies = [p.name for p in policies if p.needs_token_ids]
+        self.token_feed: TokenFeed | None = None
+        # cells whose keys move to in-cache RoPE positions (StreamingLLM), or None
+        in_cache = [g.cells for g in groups if g.policy.in_cache_positions]
+        self.in_cache_cells = torch.stack(in_cache).any(dim=0) if in_cache else None
+        if self.in_cache_cells is not None and inv_freq is None:
+            raise KVPolicyError("in-cache positions need the model's RoPE inverse frequencies (inv_freq)")
+        self.inv_freq = inv_freq
+        self.budgets = CellBudgets(row_plans, groups, prompt_tokens)
+        self.evictions = 0
+        self._nan_check = NaNCheck()
+        self.reset()
+
+    def reset(self) -> None:
+        self.store: KVStore | None = None
+        self.budgets.reset()
+        self.slots_seen = 0  # slots' worth of tokens seen, pads included (what `generate` counts)
+        self.pending: tuple[int, int] | None = None  # (first slot, count) of the tokens this pass appended
+        self.pass_has_pads = False
+        self.profiled = not self.profiling
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.store is not None
+
+    # --- the metadata, for the engine and for inspection ------------------------------------------------
+    @property
+    def used(self) -> int:
+        return self.store.used if self.store is not None else 0
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self.store.slots.valid
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.store.slots.positions
+
+    @property
+    def ragged(self) -> bool:
+        return isinstance(self.store, RaggedStore)
+
+    # --- a forward pass ---------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this pass's K/V ([B, Hkv, q, D]); return the layer's K/V as attention reads them."""
+        if self.store is None:
+            self._initialize(keys, values)
+        count = keys.shape[2]
+        start = self.store.append(keys, values)
+        if self.token_id_policies:
+            self._append_token_ids(start, count)
+        self.slots_seen += count
+        self.pending = (start, count)
+        return self.store.attention_kv()
+
+    def _initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        batch, heads, device = keys.shape[0], keys.shape[1], keys.device
+        token_state = {f"{g.prefix}{name}": dtype for g in self.groups for name, dtype in g.policy.state.items()}
+        if self.token_id_policies:
+            token_state["token_ids"] = torch.int32
+        self.store = DenseStore(keys, values, token_state, self.budgets)
+        self.cell_state = {
+            f"{g.prefix}{name}": torch.zeros((batch, heads), dtype=dtype, device=device)
+            for g in self.groups for name, dtype in g.policy.cell_state.items()
+        }
+        self.tokens_seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
+
+    def _append_token_ids(self, start: int, count: int) -> None:
+        ids = self.token_feed.ids if self.token_feed is not None else None
+        if ids is None:
+            raise KVPolicyError(
+                f"policy {self.token_id_policies[0]!r} reads the token ids of the cached tokens, but this forward pass "
+                "gave none: call the model with input_ids (not inputs_embeds alone), on the model the session was "
+                "attached to, with the cache made by session.new_cache()"
+            )
+        if ids.shape != (self.valid.shape[0], count):
+            raise KVPolicyError(
+                f"the forward pass's input_ids have shape {tuple(ids.shape)} but layer {self.layer_idx} got "
+                f"{count} new tokens for {self.valid.shape[0]} rows"
+            )
+        self.store.slots.token_state["token_ids"][:, :, start : start + count] = ids.to(self.valid.device, torch.int32)[:, None, :]
+
+    def begin_call(self, query_valid: torch.Tensor | None, scaling: float, sliding_window: int | None = None) -> AttentionCall:
+        """Mark this pass's pads and positions; the record the attention backends get for it."""
+        start, count = self.pending
+        device = self.valid.device
+        if query_valid is None:
+            query_positions = self.tokens_seen[:, None] + torch.arange(count, device=device)
+        else:
+            query_valid = query_valid.to(device)
+            ranks = torch.cumsum(query_valid.long(), dim=1) - 1
+            query_positions = torch.where(query_valid, self.tokens_seen[:, None] + ranks, -1)
+            self.valid[:, :, start : start + count] &= query_valid[:, None, :]
+            self.store.mark_pads()
+        self.positions[:, :, start : start + count] = query_positions[:, None, :]
+        self.pass_has_pads = query_valid is not None
+        self.tokens_seen = self.tokens_seen + (count if query_valid is None else query_valid.sum(dim=1))
+        if self.budgets.limits is None:
+            self.budgets.resolve(self.tokens_seen, count)
+        keys, values = self.store.attention_kv()
+        used = keys.shape[2]
+        valid, key_positions = self.valid[:, :, :used], self.positions[:, :, :used]
+        query_rotation = None
+        if self.in_cache_cells is not None:
+            key_delta, query_delta = in_cache_deltas(key_positions, valid, slice(start, start + count), query_positions)
+            cells = self.in_cache_cells.to(device)[:, :, None]
+            keys = rotate(keys, torch.where(cells, key_delta, 0), self.inv_freq)
+            query_rotation = (torch.where(cells, query_delta, 0), self.inv_freq)
+        needs = self.needs if self.profiled else self.needs | self.profile_needs
+        near_band = None
+        if "near_colsum_heads" in needs:
+            ratio = self.near_ratio.to(device)
+            near_band = torch.ceil(self.tokens_seen[:, None].double() * ratio - 1e-9).long().clamp(min=1)
+        return AttentionCall(
+            keys=keys, values=values, valid=valid, key_positions=key_positions, query_positions=query_positions,
+            query_valid=query_valid, past_slots=start, scaling=scaling, needs=needs,
+            last_rows_window=self.last_rows_window, sliding_window=sliding_window, backend=self.backend,
+            causal_only=query_valid is None and sliding_window is None and self.store.past_packed,
+            near_band=near_band, query_rotation=query_rotation,
+        )
+
+    def end_call(self, stats: AttentionStats | None) -> None:
+        """Let the policies observe this call, then evict what is over budget."""
+        if not self.profiled:
+            view = self.token_view()
+            for group in self.profiling:
+                group.policy.profile(self.group_state(group), stats, view)
+            self.profiled = True
+        if stats is not None:
+            for group in self.groups:
+                if group.policy.needs:
+                    group.policy.observe(self.group_state(group), stats_for(group.policy, stats))
+        self.pending = None
+        self.store.end_pass()
+        self._evict()
+
+    def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
+        """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""
+        token_state, used = self.store.slots.token_state, self.used
+        state = {name: token_state[f"{group.prefix}{name}"][:, :, :used] for name in group.policy.state}
+        state.update((name, self.cell_state[f"{group.prefix}{name}"]) for name in group.policy.cell_state)
+        return state
+
+    def token_view(self) -> TokenView:
+        ids, used = self.store.slots.token_state.get("token_ids"), self.used
+        return TokenView(
+            positions=self.positions[:, :, :used], valid=self.valid[:, :, :used], seen=self.tokens_seen,
+            budget=self.budgets.limits, token_ids=ids[:, :, :used] if ids is not None else None,
+        )
+
+    # --- eviction ---------------------------------------------------------------------------------------
+    def _scores(self) -> torch.Tensor:
+        view = self.token_view()
+        scores = None
+        for group in self.groups:
+            given = group.policy.score(self.group_state(group), view)
+            group_scores = checked(group.policy, "returned scores", given, view.valid.shape,
+                                   "batch, kv_heads, slots").float()
+            self._nan_check.note(group.policy, group_scores)
+            cells = group.cells.to(group_scores.device)[:, :, None]
+            scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
+        return scores.masked_fill(~view.valid, -torch.inf)
+
+    def _evict(self) -> None:
+        budgets, store = self.budgets, self.store
+        if budgets.dynamic:
+            budgets.set_by_policies(self.group_state, self.token_view())
+        # python-side facts let a packed decode step skip tensor reductions (and their syncs)
+        if store.packed_tokens is not None and not self.drops_early:
+            if not budgets.any_limited:
+                return
+            if budgets.uniform_limit is not None:
+                over = store.packed_tokens - budgets.uniform_limit
+                if over <= budgets.slack:
+                    return
+                if over == 1:
+                    store.drop_one(self._scores().argmin(dim=2))  # the decode step: one token out per cell
+                    self.evictions += 1
+                    return
+        count = self.valid[:, :, : self.used].sum(dim=2)
+        if budgets.allocation_pending():
+            budgets.allocate(self.group_state, self.token_view(), count)
+        limit = budgets.effective(count)
+        if not self.pass_has_pads and int((count - limit).max()) <= budgets.slack:
+            store.evict(None, count, count)  # nothing to drop; a format may still settle this pass's tokens
+            return
+        scores = self._scores()
+        keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))
+        self.evictions += 1
+        store.evict(scores, keep, count)
+        if isinstance(store, DenseStore) and budgets.any_limited:
+            if ragged_pays(budgets.segment_sizes(keep)):
+                self.store = RaggedStore.from_dense(store, keep)
+            else:
+                store.fit(int(keep.max()))
+
+    # --- inspection -------------------------------------------------------------------------------------
+    def kept_positions(self) -> list[list[list[int]]]:
+        """Sorted real-token positions kept per [batch row][KV head] (for tests and reports)."""
+        if self.store is None:
+            return []
+        positions, valid = self.positions[:, :, : self.used], self.valid[:, :, : self.used]
+        return [[sorted(positions[b, h][valid[b, h]].tolist()) for h in range(positions.shape[1])]
+                for b in range(positions.shape[0])]
+
+    def cell_labels(self) -> list[list[str]]:
+        """A label per [batch row][KV head]: the policy's own (FastGen: the head's pattern), else its name."""
+        batch, heads = self.valid.shape[:2]
+        labels = [[""] * heads for _ in range(batch)]
+        for group in self.groups:
+            given = group.policy.cell_labels(self.group_state(group))
+            owned = group.cells.expand(batch, heads).tolist()
+            for b in range(batch):
+                for h in range(heads):
+                    if owned[b][h]:
+                        labels[b][h] = given[b][h] if given is not None else group.policy.name
+        return labels
+
+    def memory(self) -> dict[str, Any]:
+        """Live and allocated K/V bytes, metadata bytes, token counts (see `memory_report`)."""
+        store = self.store
+        if store is None:
+            return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0,
+                    "tokens_max": 0, "ragged": 0, "workspace_kv_bytes": 0, "by_label": {}}
+        tokens = self.valid.sum(dim=2)
+        per_token = self.bytes_per_token()
+        metadata = [*store.slots.tensors(), *self.cell_state.values(), *store.bookkeeping()]
+        allocated = store.kv_bytes()
+        return {
+            "live_kv_bytes": int(tokens.sum()) * per_token,
+            "allocated_kv_bytes": allocated,
+            "metadata_bytes": sum(storage_bytes(t) for t in metadata),
+            "tokens_min": int(tokens.min()),
+            "tokens_max": int(tokens.max()),
+            "ragged": int(self.ragged),
+            "workspace_kv_bytes": store.workspace_bytes,
+            "by_label": self._memory_by_label(tokens, per_token, allocated),
+        }
+
+    def bytes_per_token(self) -> int:
+        """K/V bytes of one token of one cell."""
+        return self.store.bytes_per_token()
+
+    def nbytes(self) -> int:
+        """Every byte the layer holds: K/V, per-slot metadata, per-cell state, the format's bookkeeping."""
+        if self.store is None:
+            return 0
+        tensors = [*self.store.slots.tensors(), *self.cell_state.values(), *self.store.bookkeeping()]
+        return self.store.kv_bytes() + sum(storage_bytes(t) for t in tensors)
+
+    def _memory_by_label(self, tokens: torch.Tensor, per_token: int, allocated: int) -> dict[str, dict[str, int]]:
+        """Cells, tokens, live and allocated K/V bytes per cell label (report time only: Python loops are fine)."""
+        cells = tokens.numel()
+        rows = self.store.cell_rows()
+        rows = rows.tolist() if rows is not None else None
+        counts = tokens.tolist()  # one device sync, not one per cell
+        out: dict[str, dict[str, int]] = {}
+        for b, row in enumerate(self.cell_labels()):
+            for h, label in enumerate(row):
+                entry = out.setdefault(label, {"cells": 0, "tokens": 0, "live_kv_bytes": 0, "allocated_kv_bytes": 0})
+                entry["cells"] += 1
+                entry["tokens"] += counts[b][h]
+                entry["live_kv_bytes"] += counts[b][h] * per_token
+                # equal-width storage gives every cell the same share; ragged storage each cell its own segment
+                entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
+        return out

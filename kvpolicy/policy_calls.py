@@ -1,0 +1,82 @@
+"""Calling policies from a cache layer: what each one is shown, and checks on what it returns.
+
+A policy may be a third-party plugin: its outputs are checked here (shape, NaN) so that a
+bug in one gives an error naming it rather than silently evicting the wrong tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from .errors import KVPolicyError
+from .policies.base import AttentionStats, Policy
+
+
+@dataclass
+class PolicyGroup:
+    """The cells (batch row, KV head) of one layer that share one policy instance, and so its state."""
+
+    policy: Policy
+    cells: torch.Tensor  # [rows, Hkv] bool; rows is 1 (every batch row alike) or B
+    prefix: str  # namespace of its state tensors in the layer
+
+
+def group_cells(cell_keys: list[list[tuple[str, str]]], policies: dict[tuple[str, str], Policy]) -> list[PolicyGroup]:
+    """One PolicyGroup per distinct key among ``cell_keys`` [row][KV head] (a `HeadPlan.policy_key` each)."""
+    masks: dict[tuple[str, str], torch.Tensor] = {}
+    for row_index, row in enumerate(cell_keys):
+        for head_index, key in enumerate(row):
+            mask = masks.setdefault(key, torch.zeros(len(cell_keys), len(row), dtype=torch.bool))
+            mask[row_index, head_index] = True
+    return [PolicyGroup(policies[key], mask, f"{index}.") for index, (key, mask) in enumerate(masks.items())]
+
+
+def stats_for(policy: Policy, stats: AttentionStats) -> AttentionStats:
+    """``stats`` as ``policy`` asked for them: ``last_rows`` holds the layer's widest window, so cut it to the policy's."""
+    rows = stats.last_rows
+    if rows is None or "last_rows" not in policy.needs or rows.shape[2] <= policy.last_rows_window:
+        return stats
+    return dataclasses.replace(stats, last_rows=rows[:, :, rows.shape[2] - policy.last_rows_window :])
+
+
+def checked(policy: Policy, what: str, value: object, shape: tuple[int, ...], dims: str) -> torch.Tensor:
+    """A tensor a policy returned (``what``: "returned scores", "allocated budgets", ...), or a clear error naming it."""
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise KVPolicyError(f"policy {policy.name!r} {what} of shape {got}; expected [{dims}] = {tuple(shape)}")
+    return value
+
+
+class NaNCheck:
+    """Raises when a policy's scores hold NaN (a plugin bug that would otherwise evict arbitrary tokens).
+
+    On CPU every call is checked. On a GPU, reading a flag back waits for the device to drain
+    its queue, once per layer and step: there the flags accumulate on the device and are
+    read every ``every`` calls, so a bad policy is stopped within that many evictions.
+    """
+
+    def __init__(self, every: int = 32):
+        self.every = every
+        self.calls = 0
+        self.flags: dict[str, torch.Tensor] = {}
+
+    def note(self, policy: Policy, scores: torch.Tensor) -> None:
+        nan = torch.isnan(scores).any()
+        if scores.device.type == "cpu":
+            if bool(nan):
+                self._raise(policy.name)
+            return
+        flag = self.flags.get(policy.name)
+        self.flags[policy.name] = nan if flag is None else flag | nan
+        self.calls += 1
+        if self.calls % self.every == 0:
+            for name, flag in self.flags.items():
+                if bool(flag):
+                    self._raise(name)
+
+    @staticmethod
+    def _raise(name: str) -> None:
+        raise KVPolicyError(f"policy {name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")
