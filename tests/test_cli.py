@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 
 BAD_RECIPES = {
     "malformed.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2\n", "malformed.yaml:"),
@@ -88,7 +88,7 @@ def test_policies_and_recipes_listings(capsys):
 
 @pytest.mark.parametrize("budget,ok", [("0.2", True), ("512", True), ("0", False), ("1.5", False), ("x", False)])
 def test_budget_argument(budget, ok):
-    from kvpolicy.cli import parse_budget
+    from kvpolicy.commands.common import parse_budget
     from kvpolicy.errors import KVPolicyError
 
     if ok:
