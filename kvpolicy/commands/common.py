@@ -8,7 +8,6 @@ commands import one way only.
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,8 +27,9 @@ OPTIONAL = {
 
 
 def require(module: str) -> ModuleType:
-    """Import ``module`` (e.g. "rich.table") and return it; if its package is not installed, print one line that
-    names the package and the command that installs it, and exit with status 2."""
+    """Import ``module`` (e.g. "rich.table") and return it. If its package is not installed, raise a KVPolicyError
+    whose one line names the package and the command that installs it (the ``kvpolicy`` command prints it and
+    exits with status 2)."""
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as error:
@@ -37,9 +37,8 @@ def require(module: str) -> ModuleType:
         if error.name is None or error.name.split(".")[0] != top:
             raise  # the package is there but something it imports is not: not ours to explain
         package, extra = OPTIONAL.get(top, (top, "cli"))
-        print(f'kvpolicy: error: this command needs {package}, which is not installed: pip install "kvpolicy[{extra}]"',
-              file=sys.stderr)
-        raise SystemExit(2) from None
+        raise KVPolicyError(f'this command needs {package}, which is not installed: pip install "kvpolicy[{extra}]"') \
+            from None
 
 
 def pyplot() -> ModuleType:
