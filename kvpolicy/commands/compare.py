@@ -108,15 +108,14 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
-    """The full baseline once, then every bounded recipe at every budget (unbounded recipes once)."""
+    """The full baseline once, then every recipe that takes a budget at every budget (the others once)."""
     from ..attach import model_shape
-    from ..plan import budget_is_bounded
 
     layers, heads = model_shape(model)
     rows = []
     for label, recipe in recipes:
         plan = with_budget(recipe, budgets[0][1]).resolve(layers, heads)
-        if not any(budget_is_bounded(head.budget) for layer in plan.layers for head in layer.heads):
+        if not any(head.budget.is_limited for layer in plan.layers for head in layer.heads):
             # no budget to sweep: once; policies that size heads themselves (FastGen) still evict
             own = any(head.budget.by_policy for layer in plan.layers for head in layer.heads)
             rows.append(Row(label, None, recipe, evicts=own))

@@ -211,7 +211,7 @@ def policy_block(cls: type[Policy]) -> str:
         state += (", " if state else "") + "`token_ids` (int32, kept by the cache for it)"
     if cls.dynamic_budget:
         budget = "- **Budget:** set by the policy for each (batch row, KV head) at every eviction; a recipe's budget does not apply."
-    elif cls.bounded:
+    elif cls.evicts:
         budget = "- **Budget:** applies (the policy evicts)."
     else:
         budget = "- **Budget:** does not apply (nothing is evicted)."
