@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import kvpolicy
 from kvpolicy.attach import attach
-from kvpolicy.cli import parse_budget
+from kvpolicy.commands.common import parse_budget
 from kvpolicy.recipe import load_recipe, with_budget
 
 

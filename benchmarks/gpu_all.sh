@@ -41,6 +41,6 @@ step gpu_check 300 python3 benchmarks/gpu_check.py --config-dir /tmp/smollm2-sha
 # the bench loads the folder as a model: random weights of SmolLM2's shape (gpu_check.py writes the same)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch, gpu_check as g; from pathlib import Path; \
 g.DEVICE = torch.device('cuda'); g.random_model(Path('/tmp/smollm2-shape'), torch.bfloat16)" >/dev/null 2>&1
-step bench "${GPU_BENCH_LIMIT:-300}" python3 -m kvpolicy.cli bench --model /tmp/smollm2-shape --device cuda \
+step bench "${GPU_BENCH_LIMIT:-300}" python3 -m kvpolicy.commands.cli bench --model /tmp/smollm2-shape --device cuda \
     --dtype bfloat16 --recipes full h2o streaming --kv-memory 4GiB --prompt-tokens 2048 --new-tokens 64 \
     --max-batch 256 --repeats 3 --out "$out/bench"

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 import kvpolicy
-from kvpolicy.compare import _read_text  # the same text as compare
-from kvpolicy.tasks.base import cache_keyword
+from kvpolicy.attach import cache_keyword
+from kvpolicy.commands.common import read_text  # the same text as compare
 
 CHUNK = 64
 _captured: dict[int, torch.Tensor] = {}
@@ -170,7 +170,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tokenizer = kvpolicy.load_model(args.model)
-    text, _ = _read_text(args.text_file)
+    text, _ = read_text(args.text_file)
     ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)[
         : args.tokens
     ]

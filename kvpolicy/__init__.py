@@ -4,24 +4,89 @@
     session = kvpolicy.attach(model, kvpolicy.load_recipe("h2o"))
     out = model.generate(**tok(prompt, return_tensors="pt"), cache=session.new_cache())
     print(session.last_cache.memory_report())
+
+The names below load on first use (PEP 562), so ``import kvpolicy.recipe`` and the rest of the policy side
+never import transformers; ``kvpolicy.attach`` and the other transformers names import it when first read.
 """
 
 from __future__ import annotations
 
-from .attach import Session, attach, attach_rows
-from .cache import MemoryReport, PolicyCache
-from .errors import KVPolicyError, RecipeError
-from .hookspecs import hookimpl
-from .models import load_model
-from .plan import Budget, Plan
-from .policies.base import AttentionStats, Policy, TokenView
-from .recipe import Recipe, load_recipe, with_budget
-from .registry import get_registry
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_EXPORTS = {
+    "AttentionStats": "kvpolicy.policies.base",
+    "Budget": "kvpolicy.plan",
+    "KVPolicyError": "kvpolicy.errors",
+    "MemoryReport": "kvpolicy.cache",
+    "Plan": "kvpolicy.plan",
+    "Policy": "kvpolicy.policies.base",
+    "PolicyCache": "kvpolicy.cache",
+    "Recipe": "kvpolicy.recipe",
+    "RecipeError": "kvpolicy.errors",
+    "Session": "kvpolicy.attach",
+    "TokenView": "kvpolicy.policies.base",
+    "attach": "kvpolicy.attach",
+    "attach_rows": "kvpolicy.attach",
+    "get_registry": "kvpolicy.registry",
+    "hookimpl": "kvpolicy.hookspecs",
+    "load_model": "kvpolicy.models",
+    "load_recipe": "kvpolicy.recipe",
+    "with_budget": "kvpolicy.recipe",
+}
 
 __all__ = [
     "AttentionStats", "Budget", "KVPolicyError", "MemoryReport", "Plan", "Policy", "PolicyCache", "Recipe",
     "RecipeError", "Session", "TokenView", "attach", "attach_rows", "get_registry", "hookimpl", "load_model",
     "load_recipe", "with_budget",
 ]
+
+if TYPE_CHECKING:
+    from .attach import Session, attach, attach_rows
+    from .cache import MemoryReport, PolicyCache
+    from .errors import KVPolicyError, RecipeError
+    from .hookspecs import hookimpl
+    from .models import load_model
+    from .plan import Budget, Plan
+    from .policies.base import AttentionStats, Policy, TokenView
+    from .recipe import Recipe, load_recipe, with_budget
+    from .registry import get_registry
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None and not name.startswith("__"):
+        # a submodule not imported yet (kvpolicy.recipe after a bare `import kvpolicy`), as the eager package gave
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"{__name__}.{name}":
+                raise
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later reads skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """Keeps ``kvpolicy.attach`` the function, as an eager ``from .attach import attach`` would: importing the
+    submodule kvpolicy.attach sets the package's attribute of that name to the module, which would hide the
+    function of the same name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == _EXPORTS[name]:
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

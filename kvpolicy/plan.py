@@ -7,6 +7,9 @@ from typing import Any
 
 import torch
 
+#: The attention backends a recipe may name (``backend:``): ``auto`` picks Triton on CUDA, torch elsewhere.
+BACKEND_NAMES = ("auto", "torch", "triton")
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -42,8 +45,10 @@ class Budget:
             text = "unbounded"
         return text + (f" (+{self.slack} slack)" if self.slack else "")
 
-    def fixed_tokens(self) -> int | None:
-        return self.tokens if self.tokens is not None else None
+    @property
+    def is_limited(self) -> bool:
+        """True if the budget gives an amount (``tokens`` or ``ratio``); False for UNBOUNDED and BY_POLICY."""
+        return self.tokens is not None or self.ratio is not None
 
 
 UNBOUNDED = Budget()
@@ -70,14 +75,6 @@ class HeadPlan:
 @dataclass
 class LayerPlan:
     heads: list[HeadPlan]
-
-    def groups(self) -> list[tuple[HeadPlan, list[int]]]:
-        """Heads grouped by identical (policy, params): one policy instance serves each group."""
-        groups: dict[tuple[str, str], tuple[HeadPlan, list[int]]] = {}
-        for index, head in enumerate(self.heads):
-            key = (head.policy, repr(head.params))
-            groups.setdefault(key, (head, []))[1].append(index)
-        return list(groups.values())
 
 
 @dataclass
@@ -123,8 +120,3 @@ def _runs(texts: list[str]) -> list[tuple[str, str]]:
 
 def _layer_text(layer: LayerPlan) -> str:
     return "; ".join(f"heads {span}: {text}" for span, text in _runs([head.describe() for head in layer.heads]))
-
-
-def budget_is_bounded(budget: Budget) -> bool:
-    return budget.tokens is not None or budget.ratio is not None
-

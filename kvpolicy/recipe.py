@@ -17,11 +17,10 @@ from typing import Any
 import yaml
 
 from .errors import KVPolicyError, RecipeError, did_you_mean
-from .plan import BY_POLICY, UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
+from .plan import BACKEND_NAMES, BY_POLICY, UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
 from .registry import Registry, get_registry
 
 SCHEMA_VERSION = 1
-BACKENDS = ("auto", "torch", "triton")
 REQUIRED = "(required)"  # the default of a key that has none
 
 
@@ -55,7 +54,7 @@ TOP_LEVEL = (
     Key("policy", "policy name", "full", "the policy of every layer and KV head that no rule changes"),
     Key("params", "mapping", {}, "parameters of `policy` (see the policy's parameters); omitted ones take "
         "their defaults"),
-    Key("backend", f"one of {', '.join(BACKENDS)}", "auto", "attention backend for statistics: `auto` picks "
+    Key("backend", f"one of {', '.join(BACKEND_NAMES)}", "auto", "attention backend for statistics: `auto` picks "
         "triton on CUDA and torch elsewhere; $KVPOLICY_BACKEND overrides it"),
     Key("layers", "list of layer rules", [], "per-layer changes, applied in order (later rules win)"),
     Key("heads", "list of head rules", [], "per-KV-head changes, applied after every layer rule"),
@@ -118,6 +117,12 @@ def _construct_map(loader: _Loader, node: yaml.MappingNode) -> _Map:
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_map)
+
+
+def _takes_budget(cls: type) -> bool:
+    """True if a recipe's budget applies to heads of policy ``cls``: it evicts and does not size its heads
+    itself (FastGen's ``dynamic_budget``)."""
+    return cls.evicts and not cls.dynamic_budget
 
 
 def _line(mapping: Any, key: Any = None) -> int | None:
@@ -393,17 +398,17 @@ class Recipe:
                     backend=self.backend, source=self.source, description=self.description, extra={"notes": notes})
 
     def _schedule_budgets(self, grid: list[list[tuple]]) -> list[str]:
-        """Replace each scheduled budget by its per-layer share, over the layers whose bounded heads use it."""
+        """Replace each scheduled budget by its per-layer share, over the layers whose heads take that budget."""
         owners: dict[str, tuple[Schedule, list[int]]] = {}
         for index, row in enumerate(grid):
             for cls, _, (_, schedule, owner), _ in row:
-                if schedule is not None and cls.bounded:
+                if schedule is not None and _takes_budget(cls):
                     layers = owners.setdefault(owner, (schedule, []))[1]
                     if not layers or layers[-1] != index:
                         layers.append(index)
         notes = []
         for owner, (schedule, layers) in owners.items():
-            amount = next(b for cls, _, (b, _, o), _ in grid[layers[0]] if o == owner and cls.bounded) or self.budget
+            amount = next(b for cls, _, (b, _, o), _ in grid[layers[0]] if o == owner and _takes_budget(cls)) or self.budget
             if amount.tokens is None and amount.ratio is None:
                 continue  # no amount to spread: `_head` reports the missing budget
             shares = dict(zip(layers, _scaled(amount, schedule.multipliers(len(layers), self._file)), strict=True))
@@ -435,7 +440,7 @@ class Recipe:
         budget = budget or self.budget
         if cls.dynamic_budget:
             budget = BY_POLICY  # the policy sizes its cells itself (FastGen); a recipe budget does not apply
-        elif not cls.bounded:
+        elif not cls.evicts:
             budget = UNBOUNDED
         elif budget.tokens is None and budget.ratio is None:
             raise _error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',
@@ -494,9 +499,9 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
         if key in data and not isinstance(data[key], str):
             raise _error(file, _line(data, key), key, f"expected a string, got {data[key]!r}")
     backend = data.get("backend", _DEFAULT["top", "backend"])
-    if backend not in BACKENDS:
+    if backend not in BACKEND_NAMES:
         raise _error(file, _line(data, "backend"), "backend", f"unknown backend {backend!r}"
-                     f"{did_you_mean(str(backend), BACKENDS)}", f"Use one of: {', '.join(BACKENDS)}")
+                     f"{did_you_mean(str(backend), BACKEND_NAMES)}", f"Use one of: {', '.join(BACKEND_NAMES)}")
 
     def policy(raw: Any, path: str, line: int | None) -> Any:
         if not isinstance(raw, str):

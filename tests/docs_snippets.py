@@ -4,8 +4,8 @@ Every fenced block of a page under ``docs/`` is one of:
 
 - ``python``: executed, in page order, in one module namespace per page;
 - ``bash``: each command (``\\``-continued lines joined, ``#`` comments dropped) must be a
-  ``kvpolicy ...`` command, run in-process through `kvpolicy.cli.main`, or
-  ``python -m kvpolicy.docgen ...``; it must exit 0;
+  ``kvpolicy ...`` command, run in-process through `kvpolicy.commands.cli.main`, or
+  ``python -m kvpolicy.commands.docgen ...``; it must exit 0;
 - ``yaml``: a recipe, loaded with `kvpolicy.load_recipe` and resolved for SmolLM2-135M's shape;
 - ``toml``: parsed;
 - ``text`` (or no language): output or a diagram, not run.
@@ -116,15 +116,15 @@ def run_python(block: Block, module: types.ModuleType) -> None:
 
 
 def run_bash(block: Block) -> None:
-    from kvpolicy import docgen
-    from kvpolicy.cli import main
+    from kvpolicy.commands import docgen
+    from kvpolicy.commands.cli import main
 
     expected = int(block.arg) if block.directive == "exit" else 0
     for command in commands(block.code):
         words = shlex.split(command)
         if words[0] == "kvpolicy":
             status = main(words[1:])
-        elif words[:3] == ["python", "-m", "kvpolicy.docgen"]:
+        elif words[:3] == ["python", "-m", "kvpolicy.commands.docgen"]:
             status = docgen.main(words[3:])
         else:
             raise AssertionError(f"{block.where}: `{command}` is not a kvpolicy command; run only `kvpolicy ...` "

@@ -15,7 +15,7 @@ from kvpolicy.registry import get_registry
 def uniform_plan(model, policy: str, budget: Budget | None = None, **params) -> Plan:
     layers, heads = model_shape(model)
     cls = get_registry().get(policy)
-    head = HeadPlan(policy, cls.Params(**params), budget if cls.bounded and budget else UNBOUNDED)
+    head = HeadPlan(policy, cls.Params(**params), budget if cls.evicts and not cls.dynamic_budget and budget else UNBOUNDED)
     return Plan(f"{policy}-test", [LayerPlan([head] * heads) for _ in range(layers)])
 
 

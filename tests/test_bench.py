@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from kvpolicy.attach import attach
-from kvpolicy.bench import (
+from kvpolicy.commands.bench import (
     Config,
     PeakMeter,
     Run,
@@ -22,7 +22,7 @@ from kvpolicy.bench import (
     parse_bytes,
     rows_holding_budget,
 )
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.plan import Budget
 from kvpolicy.recipe import load_recipe, with_budget

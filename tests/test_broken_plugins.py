@@ -13,7 +13,7 @@ import pytest
 
 from kvpolicy import hookimpl
 from kvpolicy import registry as registry_module
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.registry import Registry
 from kvpolicy.tasks import TASKS, available_tasks

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 
 BAD_RECIPES = {
     "malformed.yaml": ("kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2\n", "malformed.yaml:"),
@@ -88,7 +88,7 @@ def test_policies_and_recipes_listings(capsys):
 
 @pytest.mark.parametrize("budget,ok", [("0.2", True), ("512", True), ("0", False), ("1.5", False), ("x", False)])
 def test_budget_argument(budget, ok):
-    from kvpolicy.cli import parse_budget
+    from kvpolicy.commands.common import parse_budget
     from kvpolicy.errors import KVPolicyError
 
     if ok:
@@ -96,3 +96,30 @@ def test_budget_argument(budget, ok):
     else:
         with pytest.raises(KVPolicyError):
             parse_budget(budget)
+
+
+@pytest.mark.parametrize("command,package,extra", [
+    (["compare", "--tasks", "ppl"], "rich", "cli"),
+    (["compare", "--tasks", "ppl"], "matplotlib", "cli"),
+    (["bench", "--kv-memory", "1MiB"], "rich", "cli"),
+    (["bench", "--kv-memory", "1MiB"], "matplotlib", "cli"),
+])
+def test_missing_optional_package_is_named_with_its_install_command(command, package, extra, monkeypatch, capsys):
+    """A command whose optional package is missing says which, and how to install it, before any model loads."""
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, package, None)  # what a missing package looks like to import
+    assert main(command) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f'kvpolicy: error: this command needs {package}, which is not installed: '
+                   f'pip install "kvpolicy[{extra}]"'], err
+
+
+def test_require_names_only_the_missing_package(monkeypatch):
+    from kvpolicy.commands.common import require
+    from kvpolicy.errors import KVPolicyError
+
+    assert require("json").dumps(1) == "1"
+    monkeypatch.setitem(sys.modules, "triton", None)
+    with pytest.raises(KVPolicyError, match=r'needs triton, .*pip install "kvpolicy\[triton\]"'):
+        require("triton")

@@ -12,7 +12,7 @@ import torch
 from tiny_models import char_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 from kvpolicy.tasks import TASKS, Context, Row
 from kvpolicy.tasks.passkey import make_prompt
 

@@ -17,14 +17,14 @@ import pytest
 import yaml
 from docs_snippets import DOCS, ROOT, blocks, commands
 
-from kvpolicy import docgen
+from kvpolicy.commands import docgen
 from kvpolicy.registry import Registry
 
 PAGES = sorted(DOCS.rglob("*.md"))
 RUNNABLE = [p for p in PAGES if any(b.directive != "skip" and b.lang not in ("text", "") for b in blocks(p))]
 #: Skipped snippets are for what cannot run in a test (a fresh install, a 7-minute sweep): keep them rare.
 MAX_SKIPS = 6
-REGENERATE = "run `python -m kvpolicy.docgen` and commit the pages it updates"
+REGENERATE = "run `python -m kvpolicy.commands.docgen` and commit the pages it updates"
 
 
 def page_id(page: Path) -> str:
@@ -98,7 +98,7 @@ def test_getting_started_repeats_the_readme_commands():
 
 
 def test_docs_name_only_real_modules_and_commands():
-    from kvpolicy.cli import build_parser
+    from kvpolicy.commands.cli import build_parser
 
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)
     for page in PAGES:

@@ -15,7 +15,8 @@ from helpers import StepRecorder, greedy, run_script_under_interpreter, uniform_
 from tiny_models import char_tokenizer, padded_batch, tiny_model
 
 from kvpolicy.attach import attach
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
+from kvpolicy.commands.profile import profile_model, recipe_patterns
 from kvpolicy.errors import KVPolicyError, RecipeError
 from kvpolicy.policies.base import AttentionStats, TokenView
 from kvpolicy.policies.fastgen import (
@@ -25,7 +26,6 @@ from kvpolicy.policies.fastgen import (
     pattern_name,
     tokenizer_token_sets,
 )
-from kvpolicy.profile import profile_model, recipe_patterns
 from kvpolicy.recipe import load_recipe
 
 SPECIAL, PUNCT = (2,), (10, 11, 12)

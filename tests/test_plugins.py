@@ -53,7 +53,7 @@ def installed(tmp_path_factory):
 
 
 def test_policies_lists_the_plugins_with_their_source(installed):
-    done = run("-m", "kvpolicy.cli", "policies")
+    done = run("-m", "kvpolicy.commands.cli", "policies")
     assert done.returncode == 0, done.stderr
     for dist, policy, _ in EXAMPLES.values():
         assert re.search(rf"^{policy}\s+\[plugin {dist} 0\.1\.0\]", done.stdout, re.MULTILINE), done.stdout
@@ -65,7 +65,7 @@ def test_compare_sweep_runs_the_plugin_policies_and_task(installed, tiny, tmp_pa
     folder, text = tiny
     out = tmp_path / "run"
     recipes = [str(installed[name] / recipe) for name, (_, _, recipe) in EXAMPLES.items()]
-    done = run("-m", "kvpolicy.cli", "compare", "--model", folder, "--text-file", text, "--tokens", str(TOKENS),
+    done = run("-m", "kvpolicy.commands.cli", "compare", "--model", folder, "--text-file", text, "--tokens", str(TOKENS),
                "--prompt-tokens", str(PROMPT), "--recipes", *recipes, "h2o", "--budgets", "0.25",
                "--tasks", "ppl", "kvtokens", "--out", str(out))
     assert done.returncode == 0, done.stderr

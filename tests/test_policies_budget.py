@@ -193,3 +193,21 @@ def test_params_are_validated(policy, params, message):
     cls = get_registry().get(policy)
     with pytest.raises(ValueError, match=message):
         cls.Params(**params).validate()
+
+
+def test_evicts_and_is_limited():
+    """`Policy.evicts` (False: budgets do not apply) and `Budget.is_limited` (an amount is given)."""
+    from kvpolicy.plan import BY_POLICY, UNBOUNDED, Budget
+    from kvpolicy.policies.base import Policy
+    from kvpolicy.policies.fastgen import FastGen
+    from kvpolicy.policies.full import Full
+
+    assert Policy.evicts and FastGen.evicts and not Full.evicts
+
+    class Version1Plugin(Policy):  # hook API version 1 called it `bounded`
+        name = "keeps-all"
+        bounded = False
+
+    assert not Version1Plugin.evicts
+    assert Budget(tokens=8).is_limited and Budget(ratio=0.2).is_limited
+    assert not UNBOUNDED.is_limited and not BY_POLICY.is_limited

@@ -11,7 +11,7 @@ from helpers import StepRecorder, greedy
 from tiny_models import padded_batch, tiny_model
 
 from kvpolicy.attach import attach
-from kvpolicy.cli import main
+from kvpolicy.commands.cli import main
 from kvpolicy.errors import RecipeError
 from kvpolicy.plan import UNBOUNDED, Budget
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget

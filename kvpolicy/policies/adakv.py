@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import TokenView
+from .base import TokenView, ranks, sort_order
 from .snapkv import SnapKV, SnapKVParams
 
 
@@ -50,8 +50,7 @@ class AdaKV(SnapKV):
         scored, pooled = self.pooled(state, view)
         # 1. each head's floor, taken in its own order (SnapKV's rank; pinned tokens first)
         own = self.score(state, view).masked_fill(~valid, -torch.inf)
-        order = own.argsort(dim=2, descending=True, stable=True)
-        place = torch.empty_like(order).scatter_(2, order, torch.arange(slots, device=order.device).expand_as(order))
+        place = ranks(own, dim=2, descending=True)
         floor = torch.floor(budget.double() * self.params.alpha).long()
         pinned = (valid & ~scored).sum(dim=2)
         forced = torch.minimum(torch.maximum(floor, pinned), budget).clamp(max=valid.sum(dim=2))
@@ -61,8 +60,7 @@ class AdaKV(SnapKV):
         rest = torch.where(cells, budget, 0).sum(dim=1) - forced.sum(dim=1)  # [B]
         key = torch.where(scored, pooled, torch.inf).masked_fill(~free, -torch.inf).reshape(batch, -1)
         positions = view.positions.reshape(batch, -1)
-        newest = positions.argsort(dim=1, descending=True, stable=True)  # ties between heads: the lower head
-        best = newest.gather(1, key.gather(1, newest).argsort(dim=1, descending=True, stable=True))
+        best = sort_order(key, positions, dim=1, descending=True)  # ties: the newer, then the lower head
         rank = torch.arange(heads * slots, device=key.device)
         take = (rank < rest[:, None]) & (key.gather(1, best) > -torch.inf)
         chosen = torch.zeros_like(take).scatter_(1, best, take).view(batch, heads, slots)

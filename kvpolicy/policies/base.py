@@ -87,8 +87,9 @@ class Policy:
     needs: ClassVar[frozenset[str]] = frozenset()
     #: Per-token state: name -> dtype; new tokens start at 0.
     state: ClassVar[dict[str, torch.dtype]] = {}
-    #: False for policies that never evict (``full``): budgets do not apply to them.
-    bounded: ClassVar[bool] = True
+    #: False for policies that never evict (``full``): budgets do not apply to them. (Named ``bounded``
+    #: before; a plugin that still sets ``bounded`` sets this.)
+    evicts: ClassVar[bool] = True
     #: True if ``score`` may give ``-inf`` to valid tokens (drop now, whatever the budget); lets the
     #: cache skip that check on the decode fast path for every other policy.
     drops_early: ClassVar[bool] = False
@@ -113,6 +114,12 @@ class Policy:
     #: True if the cache re-rotates this policy's keys (and queries) to their index within the cache at every
     #: call (StreamingLLM's in-cache positions) instead of keeping their original RoPE positions.
     in_cache_positions: bool = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "bounded" in vars(cls) and "evicts" not in vars(cls):
+            # hook API version 1 named `evicts` `bounded`: a plugin written then still says what it means
+            cls.evicts = bool(vars(cls)["bounded"])
 
     def __init__(self, params: Any = None) -> None:
         self.params = params if params is not None else self.Params()
@@ -162,8 +169,30 @@ class Policy:
         return None
 
 
-def check_params(policy_cls: type[Policy], params: Any) -> None:
-    """Run the Params dataclass's own ``validate`` if it has one (raises ValueError)."""
-    validate = getattr(params, "validate", None)
-    if callable(validate):
-        validate()
+# --- ranking ------------------------------------------------------------------------------------------------
+
+
+def sort_order(key: torch.Tensor, by: torch.Tensor | None = None, *, dim: int = -1,
+               descending: bool = False) -> torch.Tensor:
+    """The indices that sort ``key`` along ``dim``: by ``key``, equal keys by ``by`` (e.g. the tokens' positions,
+    so that ties go by age), still equal ones by index (the lower first).
+
+    ``descending`` sorts both ``key`` and ``by`` from the highest (the index order stays ascending). Two stable
+    sorts, ``by`` first: the same permutation as a sort on the pair (key, by), with no packing of the two.
+    """
+    if by is None:
+        return key.argsort(dim=dim, descending=descending, stable=True)
+    first = by.argsort(dim=dim, descending=descending, stable=True)
+    return first.gather(dim, key.gather(dim, first).argsort(dim=dim, descending=descending, stable=True))
+
+
+def ranks(key: torch.Tensor, by: torch.Tensor | None = None, *, dim: int = -1, descending: bool = False,
+          dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Each element's place in `sort_order` (0 = first), as ``dtype``: with ``descending`` rank 0 is the highest
+    key, else the lowest. A policy that returns ranks as its score keeps the last places (the cache keeps the
+    top scores)."""
+    order = sort_order(key, by, dim=dim, descending=descending)
+    shape = [1] * order.dim()
+    shape[dim] = order.shape[dim]
+    places = torch.arange(order.shape[dim], device=order.device, dtype=dtype).view(shape).expand(order.shape)
+    return torch.empty_like(places).scatter_(dim, order, places)

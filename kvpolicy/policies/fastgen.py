@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from ..errors import KVPolicyError, did_you_mean
-from .base import AttentionStats, Policy, TokenView
+from .base import AttentionStats, Policy, TokenView, ranks
 
 COMPONENTS = ("special", "punct", "frequency", "local")
 SPECIAL, PUNCT, FREQUENCY, LOCAL, FULL = 1, 2, 4, 8, 16
@@ -192,8 +192,7 @@ class FastGen(Policy):
     name = "fastgen"
     description = "per-head patterns profiled on the prompt: special, punctuation, local, frequent tokens, or full"
     Params = FastGenParams
-    bounded = False  # the recipe's budget does not apply: the policy sets each head's budget (dynamic_budget)
-    dynamic_budget = True
+    dynamic_budget = True  # the recipe's budget does not apply: the policy sets each head's budget
     needs = frozenset({"colsum"})
     profile_needs = frozenset({"colsum_heads", "near_colsum_heads"})
     needs_token_ids = True
@@ -345,7 +344,7 @@ class FastGen(Policy):
         window = share(self.params.local_ratio, view.seen)[:, None].expand(valid.shape[:2])
         newest = view.recent_mask(window)
         frequent_count = share(self.params.frequency_ratio, view.seen)  # [B]
-        rank_of = _rank(stats.colsum.masked_fill(~valid, -torch.inf))  # 0 = most attended
+        rank_of = ranks(stats.colsum.masked_fill(~valid, -torch.inf), dim=2, descending=True)  # 0 = most attended
         near_total = near.sum(dim=3).double()
         recoveries, costs = [], []
         for bits in self.candidates:  # a handful of candidates; everything inside is vectorized
@@ -362,7 +361,8 @@ class FastGen(Policy):
                 excluded = kept | (newest if bits & LOCAL else torch.zeros_like(valid))
                 pool = valid & ~excluded
                 # the top `frequent_count` of the pool by column sum: ranks among pool members only
-                pool_rank = _rank(stats.colsum.masked_fill(~pool, -torch.inf)) if bool(excluded.any()) else rank_of
+                pool_rank = (ranks(stats.colsum.masked_fill(~pool, -torch.inf), dim=2, descending=True)
+                             if bool(excluded.any()) else rank_of)
                 kept |= pool & (pool_rank < frequent_count[:, None, None])
             if bits & LOCAL:
                 mass = near_total + (far * kept[:, :, None]).sum(dim=3).double()
@@ -386,13 +386,6 @@ class FastGen(Policy):
         if self.fixed is not None:
             return [[pattern_name(self.fixed)] * len(row) for row in rows]
         return [[pattern_name(int(bits)) for bits in row] for row in rows]
-
-
-def _rank(scores: torch.Tensor) -> torch.Tensor:
-    """Rank of each slot along dim 2 by descending score (0 = highest; ties: the lower slot first)."""
-    order = scores.argsort(dim=2, descending=True, stable=True)
-    ranks = torch.arange(scores.shape[2], device=scores.device).expand_as(order)
-    return torch.empty_like(order).scatter_(2, order, ranks)
 
 
 def _vocab_size(model: Any) -> int:

@@ -10,7 +10,7 @@ from .base import Policy, TokenView
 class Full(Policy):
     name = "full"
     description = "keep every token; budgets do not apply"
-    bounded = False
+    evicts = False
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         return torch.where(view.valid, torch.inf, -torch.inf)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import AttentionStats, Policy, TokenView
+from .base import AttentionStats, Policy, TokenView, ranks
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,6 @@ class Scissorhands(Policy):
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         # rank by (count descending, position ascending): rank 0 is the first to go
-        by_age = view.positions.argsort(dim=2, stable=True)
-        order = by_age.gather(2, (-state["count"].gather(2, by_age)).argsort(dim=2, stable=True))
-        ranks = torch.arange(order.shape[2], device=order.device, dtype=torch.float32).expand(order.shape)
-        score = torch.empty_like(ranks).scatter_(2, order, ranks)
+        score = ranks(-state["count"], view.positions, dim=2, dtype=torch.float32)
         recent = torch.clamp(view.budget, max=self.params.recent)
         return torch.where(view.recent_mask(recent), torch.inf, score)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionStats, Policy, TokenView
+from .base import AttentionStats, Policy, TokenView, ranks
 
 PROMPT, PINNED = 1.0, 2.0  # token kinds: scored prompt token, pinned by recency; 0 = just appended
 
@@ -100,9 +100,6 @@ class SnapKV(Policy):
         scored, pooled = self.pooled(state, view)
         positions = view.positions
         # rank by (pooled score, position): equal pooled scores (few prompt tokens left) drop the older first
-        by_age = positions.argsort(dim=2, stable=True)
-        order = by_age.gather(2, pooled.gather(2, by_age).argsort(dim=2, stable=True))
-        slots = order.shape[2]
-        ranks = torch.arange(slots, device=order.device, dtype=torch.float32).expand(order.shape)
-        rank = torch.empty_like(ranks).scatter_(2, order, ranks)
+        rank = ranks(pooled, positions, dim=2, dtype=torch.float32)
+        slots = rank.shape[2]
         return torch.where(scored, rank, slots + positions.float())  # window/generated: above all, by recency

@@ -7,7 +7,6 @@ metrics per row, in the rows' order. Tasks that can, run all rows as rows of one
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
 from collections.abc import Iterable, Iterator
@@ -16,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..attach import attach_rows
+from ..attach import attach, attach_rows, cache_keyword
 from ..plan import Budget
 
 
@@ -101,11 +100,6 @@ class Task(Protocol):
 # --- forward helpers ---------------------------------------------------------------------------------
 
 
-def cache_keyword(model: Any) -> str:
-    """``cache`` in transformers versions that renamed ``past_key_values``, else ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def forward(model: Any, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
     """``model(ids)`` continuing ``cache`` (a PolicyCache or DynamicCache)."""
     with warnings.catch_warnings():
@@ -152,8 +146,6 @@ def run_alone(
     decoding, and the cache (PolicyCache reports memory) after each phase.
     """
     from transformers import DynamicCache
-
-    from ..attach import attach
 
     session = attach(model, spec, tokenizer=tokenizer) if spec is not None else None
     previous = model.config._attn_implementation

@@ -69,7 +69,7 @@ def test_entry_point(capsys):
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("kvpolicy-random is not installed; the entry point cannot be found")
     assert kvpolicy.get_registry().get("random")
-    from kvpolicy.cli import main
+    from kvpolicy.commands.cli import main
 
     assert main(["policies"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("random "))

@@ -39,7 +39,10 @@ from typing import Any
 
 import torch
 
-from .errors import KVPolicyError
+from ..errors import KVPolicyError
+from ..plan import Budget
+from ..recipe import load_recipe, with_budget
+from .common import parse_budget, pyplot, quiet_torch, read_text, require
 
 PLAIN = "plain"
 DEFAULT_RECIPES = ["full", "h2o", "streaming"]
@@ -158,7 +161,7 @@ class Config:
 
     def use(self, model: Any) -> None:
         """Switch the model to this configuration's attention (configurations take turns on one model)."""
-        from .attach import ATTENTION_NAME
+        from ..attach import ATTENTION_NAME
 
         model.set_attn_implementation("sdpa" if self.session is None else ATTENTION_NAME)
 
@@ -172,9 +175,7 @@ class Config:
 
 
 def _configs(model: Any, names: list[str], budget: str | None) -> list[Config]:
-    from .attach import attach
-    from .cli import parse_budget
-    from .recipe import load_recipe, with_budget
+    from ..attach import attach
 
     configs = [Config(PLAIN)]
     previous = model.config._attn_implementation
@@ -229,7 +230,7 @@ def _sync(device: torch.device) -> None:
 
 def _forward(model: Any, run: Run, ids: torch.Tensor) -> torch.Tensor:
     """One forward over ``ids`` (the mask already covers them); positions skip the left pads, as ``generate`` does."""
-    from .attach import cache_keyword
+    from ..attach import cache_keyword
 
     positions = (run.mask.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1] :]
     out = model(
@@ -390,15 +391,11 @@ def _add_ratios(results: list[dict]) -> None:
 # --- long stream ------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def run_stream(model: Any, text_ids: torch.Tensor, args: argparse.Namespace, log) -> list[dict]:
-    from .attach import attach, cache_keyword
-    from .plan import Budget
-    from .recipe import load_recipe, with_budget
+    from ..attach import attach, cache_keyword
 
     name = args.recipe or (args.recipes[0] if args.recipes else "h2o")
     recipe = load_recipe(name)
     if args.budget:
-        from .cli import parse_budget
-
         recipe = with_budget(recipe, parse_budget(args.budget))
     if recipe.budget.tokens is None:
         # a ratio resolves from the first forward pass, which in a stream is one chunk
@@ -460,9 +457,7 @@ def _mib(value: int | None) -> str:
 
 
 def throughput_table(results: list[dict], title: str) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title)
+    table = require("rich.table").Table(title=title)
     for name in ("config", "budget", "batch", "MiB/seq", "peak MiB", "decode tok/s", "x", "e2e tok/s", "x",
                  "prefill tok/s", "rows at budget"):
         table.add_column(name, justify="left" if name in ("config", "budget") else "right")
@@ -479,9 +474,7 @@ def throughput_table(results: list[dict], title: str) -> Any:
 
 
 def stream_table(results: list[dict], title: str) -> Any:
-    from rich.table import Table
-
-    table = Table(title=title)
+    table = require("rich.table").Table(title=title)
     for name in ("tokens", "live KV MiB", "allocated KV MiB", "metadata MiB", "RSS MiB"):
         table.add_column(name, justify="right")
     for row in results:
@@ -492,11 +485,7 @@ def stream_table(results: list[dict], title: str) -> Any:
 
 
 def plot_throughput(results: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for label in dict.fromkeys(r["config"] for r in results):
         rows = sorted((r for r in results if r["config"] == label), key=lambda r: r["batch"])
@@ -516,11 +505,7 @@ def plot_throughput(results: list[dict], path: Path) -> Path:
 
 
 def plot_stream(results: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = [r for r in results if r["mode"] == "stream"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     tokens = [s["tokens"] for s in samples]
@@ -561,21 +546,20 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> list[dict]:
-    from rich.console import Console
-
-    from .compare import _quiet_torch, _read_text
-    from .models import load_model
+    from ..models import load_model
 
     _check(args)
+    Console = require("rich.console").Console
+    require("matplotlib")  # for the plots: a missing one fails now, not after the run
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise KVPolicyError(f"--device {args.device}: no CUDA device is visible; use --device cpu")
     console = Console(width=max(132, Console().width))
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or torch.get_num_threads()
-    with _quiet_torch(threads):
+    with quiet_torch(threads):
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-        text, source = _read_text(args.text_file)
+        text, source = read_text(args.text_file)
         text_ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
         head = (f"kvpolicy bench: model {args.model} ({args.dtype}, {args.device}), torch threads {torch.get_num_threads()}, "
                 f"text {source} ({text_ids.numel()} tokens)")

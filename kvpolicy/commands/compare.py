@@ -20,8 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .errors import KVPolicyError, did_you_mean
-from .tasks import Context, Row, Task, available_tasks
+from .. import __version__
+from ..errors import KVPolicyError, did_you_mean
+from ..recipe import load_recipe, with_budget
+from ..registry import get_registry
+from ..tasks import Context, Row, Task, available_tasks
+from .common import parse_budget, pyplot, quiet_torch, read_text, require
 
 DEFAULT_RECIPES = ["full", "window", "streaming", "h2o"]
 DEFAULT_BUDGETS = ["0.1", "0.2", "0.5"]
@@ -60,8 +64,6 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tasks(names: list[str]) -> list[Task]:
-    from .registry import get_registry
-
     tasks = available_tasks()
     for name in names:
         if name not in tasks:
@@ -74,8 +76,6 @@ def _tasks(names: list[str]) -> list[Task]:
 
 
 def _budgets(texts: list[str]) -> list[tuple[str, Any]]:
-    from .cli import parse_budget
-
     budgets: dict[str, Any] = {}
     for text in texts:
         budget = parse_budget(text)
@@ -85,28 +85,12 @@ def _budgets(texts: list[str]) -> list[tuple[str, Any]]:
 
 
 def _recipes(sources: list[str]) -> list[tuple[str, Any]]:
-    from .recipe import load_recipe
-
     recipes: dict[str, Any] = {}
     for source in ["full", *sources]:
         recipe = load_recipe(source)
         label = recipe.name if recipe.name not in recipes else source  # two recipes with one name: use the path
         recipes.setdefault(label, recipe)
     return list(recipes.items())
-
-
-def _read_text(path: str | None) -> tuple[str, str]:
-    if path is None:
-        from pydoc_data.topics import topics
-
-        return "\n\n".join(topics.values()), "pydoc_data.topics"
-    file = Path(path)
-    if not file.is_file():
-        raise KVPolicyError(f"text file {path!r} does not exist (or is not a file)")
-    text = file.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise KVPolicyError(f"text file {path!r} is empty: give a file with text to evaluate on")
-    return text, str(file)
 
 
 def _out_dir(path: str | None) -> Path:
@@ -124,16 +108,14 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 
 def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
-    """The full baseline once, then every bounded recipe at every budget (unbounded recipes once)."""
-    from .attach import model_shape
-    from .plan import budget_is_bounded
-    from .recipe import with_budget
+    """The full baseline once, then every recipe that takes a budget at every budget (the others once)."""
+    from ..attach import model_shape
 
     layers, heads = model_shape(model)
     rows = []
     for label, recipe in recipes:
         plan = with_budget(recipe, budgets[0][1]).resolve(layers, heads)
-        if not any(budget_is_bounded(head.budget) for layer in plan.layers for head in layer.heads):
+        if not any(head.budget.is_limited for layer in plan.layers for head in layer.heads):
             # no budget to sweep: once; policies that size heads themselves (FastGen) still evict
             own = any(head.budget.by_policy for layer in plan.layers for head in layer.heads)
             rows.append(Row(label, None, recipe, evicts=own))
@@ -186,8 +168,6 @@ def _versions() -> dict[str, str]:
     import torch
     import transformers
 
-    from . import __version__
-
     return {"kvpolicy": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
@@ -207,17 +187,17 @@ def _command(args: argparse.Namespace, out: Path) -> str:
 
 def run_compare(args: argparse.Namespace) -> None:
     """The ``compare`` command: check the input, load the model once, run the missing rows, report."""
+    for package in ("rich", "matplotlib"):  # the table and the plots: a missing one fails now, not after the sweep
+        require(package)
     tasks = _tasks(args.tasks)
     budgets = _budgets(args.budgets)
     recipes = _recipes(args.recipes)
     _check_sizes(args)
-    text, text_source = _read_text(args.text_file)
+    text, text_source = read_text(args.text_file)
     out = _out_dir(args.out)
-    from rich.console import Console
-
-    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 132)
+    console = require("rich.console").Console(stderr=args.json, width=None if sys.stdout.isatty() else 132)
     started = time.perf_counter()
-    with _quiet_torch(args.threads):
+    with quiet_torch(args.threads):
         ctx, rows = _load(args, tasks, recipes, budgets, text, text_source)
         console.print(f"[bold]kvpolicy compare[/]: model {args.model}, {len(rows)} rows x {len(tasks)} tasks, "
                       f"text {text_source} ({ctx.text_ids.numel()} tokens), torch threads {args.threads}, out {out}")
@@ -233,37 +213,11 @@ def run_compare(args: argparse.Namespace) -> None:
         print(json.dumps(sweep, indent=1, default=str))
 
 
-class _quiet_torch:
-    """Fix torch's thread count and silence transformers' loading bars for the sweep; restore both after."""
-
-    def __init__(self, threads: int):
-        self.threads = threads
-
-    def __enter__(self) -> None:
-        import torch
-        from transformers.utils import logging
-
-        self.saved = (torch.get_num_threads(), logging.get_verbosity(), logging.is_progress_bar_enabled())
-        torch.set_num_threads(self.threads)
-        logging.set_verbosity_error()
-        logging.disable_progress_bar()
-
-    def __exit__(self, *exc: Any) -> None:
-        import torch
-        from transformers.utils import logging
-
-        threads, verbosity, bars = self.saved
-        torch.set_num_threads(threads)
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
-
-
 def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str) -> tuple[Context, list[Row]]:
     """Model, tokenized text (checked long enough for the tasks) and the sweep's rows."""
     import torch
 
-    from .models import load_model
+    from ..models import load_model
 
     model, tokenizer = load_model(args.model)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -281,7 +235,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
 def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: dict[str, Any], force: bool,
            console: Any) -> list[dict[str, Any]]:
     """Run each task on its rows missing from results.jsonl (all with ``force``); return the sweep's results."""
-    from .attach import model_shape
+    from ..attach import model_shape
 
     shape = model_shape(ctx.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,12 +268,10 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
 
 
 def _progress(console: Any):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.progress import TimeRemainingColumn as Remaining
-
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("ETA"), Remaining())
-    return Progress(*columns, console=console, transient=True)
+    rich = require("rich.progress")
+    columns = (rich.TextColumn("{task.description}"), rich.BarColumn(), rich.MofNCompleteColumn(),
+               rich.TimeElapsedColumn(), rich.TextColumn("ETA"), rich.TimeRemainingColumn())
+    return rich.Progress(*columns, console=console, transient=True)
 
 
 def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Context, meta: dict[str, Any]) -> dict:
@@ -345,7 +297,7 @@ def _budget_text(row: Row | dict) -> str:
 
 def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title: str = ""):
     """A rich Table: one line per recipe x budget, the tasks' columns side by side."""
-    from rich.table import Table
+    Table = require("rich.table").Table
 
     found = {(r["task"], r["recipe"], r["budget"]): r for r in sweep}
     out = Table(title=title)
@@ -365,11 +317,7 @@ def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title
 
 def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> list[Path]:
     """One PNG per figure named in the tasks' ``plots``: each metric vs budget, a line per recipe, full as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figures: dict[str, list[tuple[str, str, str]]] = {}
     for task in tasks:
         for figure, metric, label in task.plots:

@@ -6,7 +6,7 @@ A page under ``docs/`` marks each generated block with a pair of HTML comments::
     ...
     <!-- /generated -->
 
-``python -m kvpolicy.docgen`` rewrites the inside of every block from the code (the recipe
+``python -m kvpolicy.commands.docgen`` rewrites the inside of every block from the code (the recipe
 schema in `kvpolicy.recipe`, each built-in policy's class and ``Params`` dataclass, the
 statistics in `kvpolicy.policies.base`, the hook specifications); ``--check`` only lists the
 pages that differ and exits 1. The test suite runs the check, so the docs cannot drift.
@@ -31,13 +31,13 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from . import hookspecs
-from .policies.base import STAT_NAMES, AttentionStats, Policy
-from .recipe import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TOP_LEVEL, Key, Schedule
-from .registry import Registry
+from .. import hookspecs
+from ..policies.base import STAT_NAMES, AttentionStats, Policy
+from ..recipe import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TOP_LEVEL, Key, Schedule
+from ..registry import Registry
 
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: The model shape the schedule example is computed for (SmolLM2-135M: 30 layers).
 EXAMPLE_LAYERS = 30
 
@@ -211,7 +211,7 @@ def policy_block(cls: type[Policy]) -> str:
         state += (", " if state else "") + "`token_ids` (int32, kept by the cache for it)"
     if cls.dynamic_budget:
         budget = "- **Budget:** set by the policy for each (batch row, KV head) at every eviction; a recipe's budget does not apply."
-    elif cls.bounded:
+    elif cls.evicts:
         budget = "- **Budget:** applies (the policy evicts)."
     else:
         budget = "- **Budget:** does not apply (nothing is evicted)."
@@ -301,12 +301,12 @@ def compare_options_block() -> str:
 
 def tasks_block() -> str:
     """The built-in ``kvpolicy compare`` tasks: name, what it measures, table columns and plots."""
+    from ..tasks import TASKS
     from .compare import DEFAULT_TASKS
-    from .tasks import TASKS
 
     rows = ["| task | measures | table columns | plotted on | in the default run |", "| --- | --- | --- | --- | --- |"]
     for name, task in TASKS.items():
-        if not type(task).__module__.startswith(f"{__package__}.tasks."):
+        if not type(task).__module__.startswith("kvpolicy.tasks."):
             continue  # registered by a plugin in this process
         columns = ", ".join(f"`{metric}` ({header})" for metric, header, _ in task.columns)
         plots = ", ".join(sorted({f"`{figure}.png`" for figure, _, _ in task.plots}))
@@ -372,7 +372,7 @@ def used_blocks(docs: Path = DOCS) -> set[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvpolicy.docgen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpolicy.commands.docgen", description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=Path, default=DOCS, help=f"the docs folder (default: {DOCS})")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a page is out of date")
     args = parser.parse_args(argv)

@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
-from .errors import KVPolicyError
-from .policies.fastgen import FastGenParams
+from ..errors import KVPolicyError
+from ..memory import _human
+from ..policies.fastgen import FastGenParams, parse_pattern, pattern_name
+from ..recipe import load_recipe
 
 PARAMS_RECORDED = ("local_ratio", "frequency_ratio", "sinks")  # what a fixed pattern still reads
 
@@ -105,8 +107,6 @@ class Profile:
 
     def write(self, path: str | Path, name: str | None = None) -> Path:
         """Write the recipe, then read it back and check that it gives every head its profiled pattern."""
-        from .recipe import load_recipe
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.recipe_text(name or path.stem), encoding="utf-8")
@@ -118,8 +118,6 @@ class Profile:
 
 def recipe_patterns(plan: Any) -> list[list[str]]:
     """The FastGen pattern each (layer, KV head) of a resolved plan follows ("full" for the full policy)."""
-    from .policies.fastgen import parse_pattern, pattern_name
-
     out = []
     for layer in plan.layers:
         row = []
@@ -137,7 +135,7 @@ def recipe_patterns(plan: Any) -> list[list[str]]:
 def profile_model(model: Any, tokenizer: Any, input_ids: torch.Tensor, *, source: str = "<prompt>",
                   model_name: str = "<model>", **params: Any) -> Profile:
     """Profile ``model`` on one prompt (``input_ids`` [T] or [1, T]) with FastGen ``params`` (threshold=..., ...)."""
-    from .attach import attach
+    from ..attach import attach
 
     if "pattern" in params:
         raise KVPolicyError("profiling chooses the patterns: do not give `pattern`")
@@ -166,13 +164,11 @@ def profile_model(model: Any, tokenizer: Any, input_ids: torch.Tensor, *, source
 
 def runtime_recipe(**params: Any) -> Any:
     """A validated recipe running `fastgen` with ``params`` on every head (raises RecipeError on bad params)."""
-    from .recipe import load_recipe
-
     return load_recipe({"kvpolicy": 1, "name": "fastgen-profile", "policy": "fastgen", "params": dict(params)})
 
 
 def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
-    from .attach import cache_keyword
+    from ..attach import cache_keyword
 
     return {cache_keyword(model): cache}
 
@@ -213,8 +209,6 @@ def _quoted(text: str) -> str:
 
 
 def _mib(size: int) -> str:
-    from .memory import _human
-
     return _human(size)
 
 

@@ -8,48 +8,25 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import KVPolicyError
+from ..errors import KVPolicyError
+from ..recipe import builtin_recipe_names, load_recipe, with_budget
+from ..registry import get_registry
+from .bench import add_bench_arguments, run_bench
+from .common import parse_budget, read_text
+from .compare import add_compare_arguments, run_compare
+from .profile import params_from_args, profile_model, runtime_recipe
 
 # SmolLM2-135M's shape, so `validate` needs no model load for the embedded default
 DEFAULT_SHAPE = (30, 3)
 
 
-def parse_budget(text: str):
-    """'0.2' -> 20% of the prompt; '512' -> 512 tokens."""
-    from .plan import Budget
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise KVPolicyError(f"budget {text!r} is not a number: give a ratio in (0, 1] or a token count >= 1") from None
-    if 0 < value <= 1 and not text.isdigit():
-        return Budget(ratio=value)
-    if value >= 1 and value == int(value):
-        return Budget(tokens=int(value))
-    raise KVPolicyError(f"budget {text!r}: give a ratio in (0, 1] (e.g. 0.2) or a whole number of tokens (e.g. 512)")
-
-
-def _read_text(prompt: str | None, prompt_file: str | None) -> str:
-    if prompt_file:
-        path = Path(prompt_file)
-        if not path.is_file():
-            raise KVPolicyError(f"prompt file {prompt_file!r} does not exist")
-        text = path.read_text(encoding="utf-8", errors="replace")
-    else:
-        text = prompt or ""
-    if not text.strip():
-        raise KVPolicyError("the prompt is empty: give --prompt TEXT or --prompt-file FILE")
-    return text
-
-
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from .attach import attach
-    from .models import load_model
-    from .recipe import load_recipe, with_budget
+    from ..attach import attach
+    from ..models import load_model
 
-    text = _read_text(args.prompt, args.prompt_file)
+    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
     recipe = load_recipe(args.recipe)
     if args.budget:
         recipe = with_budget(recipe, parse_budget(args.budget))
@@ -71,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _model_shape(name: str) -> tuple[int, int]:
     """(layers, KV heads) of a model alias or local folder, from its config alone (no weights load)."""
-    from .models import _ALIAS_SPELLINGS, model_aliases, resolve_alias
+    from ..models import _ALIAS_SPELLINGS, model_aliases, resolve_alias
 
     resolved = resolve_alias(name)
     if resolved.lower() in _ALIAS_SPELLINGS:
@@ -87,8 +64,6 @@ def _model_shape(name: str) -> tuple[int, int]:
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
-    from .recipe import load_recipe
-
     recipe = load_recipe(args.file)
     layers, heads = DEFAULT_SHAPE
     if args.model:
@@ -102,8 +77,6 @@ def cmd_validate(args: argparse.Namespace) -> None:
 
 
 def cmd_policies(args: argparse.Namespace) -> None:
-    from .registry import get_registry
-
     registry = get_registry()
     for name in registry.names():
         entry = registry.policies[name]
@@ -116,8 +89,6 @@ def cmd_policies(args: argparse.Namespace) -> None:
 
 
 def cmd_recipes(args: argparse.Namespace) -> None:
-    from .recipe import builtin_recipe_names, load_recipe
-
     for name in builtin_recipe_names():
         recipe = load_recipe(name)
         budget = "per head" if recipe._default[0].dynamic_budget else recipe.budget.describe()  # FastGen: its own
@@ -131,10 +102,9 @@ def _listed(value: object) -> list:
 def cmd_profile(args: argparse.Namespace) -> None:
     import torch
 
-    from .models import load_model
-    from .profile import params_from_args, profile_model, runtime_recipe
+    from ..models import load_model
 
-    text = _read_text(args.prompt, args.prompt_file)
+    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
     params = params_from_args(args)
     runtime_recipe(**params)  # bad params fail here, before the model loads
     if args.out.exists() and args.out.is_dir():
@@ -162,14 +132,10 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from .compare import run_compare
-
     run_compare(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from .bench import run_bench
-
     run_bench(args)
 
 
@@ -218,13 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
     sub.add_parser("recipes", help="list the built-in recipes").set_defaults(func=cmd_recipes)
 
-    from .compare import add_compare_arguments
-
     cmp = sub.add_parser("compare", help="sweep recipes x budgets and compare quality, memory and speed")
     add_compare_arguments(cmp)
     cmp.set_defaults(func=cmd_compare)
-
-    from .bench import add_bench_arguments
 
     bench = sub.add_parser("bench", help="throughput under a KV memory cap, or memory over a long stream")
     add_bench_arguments(bench)

@@ -1,0 +1,373 @@
+"""The package's shape: imports between kvpolicy's modules run one way, down the layers, with no circle.
+
+Every module under kvpolicy/ is read with `ast` (imports at module level and inside functions, relative ones
+resolved; nothing is imported), which gives the import graph between kvpolicy's modules. The tests fail on:
+
+- a circle of imports between kvpolicy modules;
+- an import that runs up the layers below (a policy importing the cache, the cache importing a command);
+- a third-party package where it does not belong (transformers on the policy side, triton outside the kernels);
+- a module that no layer claims: add it to LAYERS.
+
+The package itself (kvpolicy/__init__.py) stands outside the layers: it names everything, and imports it only
+when first read (PEP 562), which a subprocess test checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "kvpolicy"
+
+# Each entry covers the module of that name and every module under it (a package); entries for modules that
+# do not exist (yet) are fine. A module may import from its own layer and the layers below.
+LAYERS: dict[int, tuple[str, ...]] = {
+    0: (  # the policy side: recipes, plans, policies, the statistics' types; no engine
+        "kvpolicy.errors", "kvpolicy.plan", "kvpolicy.recipe", "kvpolicy.registry", "kvpolicy.hookspecs",
+        "kvpolicy.policies",
+    ),
+    1: (  # kernels and storage
+        "kvpolicy.backend", "kvpolicy.storage", "kvpolicy.memory", "kvpolicy.rotary", "kvpolicy.layer",
+        "kvpolicy.budgets",
+    ),
+    2: (  # engine integrations
+        "kvpolicy.attach", "kvpolicy.cache", "kvpolicy.models", "kvpolicy.hf", "kvpolicy.integrations",
+    ),
+    3: (  # commands
+        "kvpolicy.commands", "kvpolicy.tasks",
+    ),
+}
+LAYER_NAMES = {0: "policy side", 1: "kernels and storage", 2: "engine integrations", 3: "commands"}
+
+# third-party packages the lower layers never import (the extras: an engine that installs the core has none)
+NOT_BELOW_ENGINES = {"transformers", "rich", "matplotlib", "gguf", "accelerate", "safetensors"}
+TRITON_ONLY_IN = "kvpolicy.backend"
+
+# Edges that break the rules today, in files being rewritten by the cache refactor (issue #13); each goes when
+# that refactor lands. (importer, imported module or third-party package)
+KNOWN_UNTIL_CACHE_REFACTOR: set[tuple[str, str]] = set()
+
+
+# --- reading the imports -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    target: str  # a kvpolicy module, or a third-party top-level package
+    line: int
+    internal: bool  # target is a kvpolicy module
+    type_only: bool  # under `if TYPE_CHECKING:`: no import at run time
+
+
+def module_files(root: Path = ROOT / PACKAGE) -> dict[str, Path]:
+    """Every module of the package, by dotted name (a package by its __init__.py)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _walk(node: ast.AST, type_only: bool = False):
+    """(import node, under TYPE_CHECKING) for every import in ``node``, at any depth."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, type_only
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for part in child.body:
+                yield from _walk(ast.Module(body=[part], type_ignores=[]), True)
+            for part in child.orelse:
+                yield from _walk(ast.Module(body=[part], type_ignores=[]), type_only)
+        else:
+            yield from _walk(child, type_only)
+
+
+def package_exports(modules: dict[str, Path]) -> dict[str, str]:
+    """The package's lazily exported names -> the module defining each (its `_EXPORTS` table)."""
+    tree = ast.parse(modules[PACKAGE].read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets):
+                return ast.literal_eval(node.value)
+    return {}
+
+
+def read_imports(modules: dict[str, Path]) -> list[Import]:
+    exports = package_exports(modules)
+    out = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node, type_only in _walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = []
+                for alias in node.names:
+                    sub = f"{source}.{alias.name}"
+                    if sub in modules:  # from kvpolicy.policies import builtin: the submodule
+                        targets.append(sub)
+                    elif source == PACKAGE and alias.name in exports:  # from kvpolicy import attach
+                        targets.append(exports[alias.name])
+                    else:
+                        targets.append(source)
+            for target in targets:
+                internal = target == PACKAGE or target.startswith(f"{PACKAGE}.")
+                if internal:
+                    while target not in modules and "." in target:  # `import kvpolicy.x.name`: the module
+                        target = target.rpartition(".")[0]
+                else:
+                    target = target.split(".")[0]
+                out.append(Import(name, target, node.lineno, internal, type_only))
+    return out
+
+
+# --- the rules ------------------------------------------------------------------------------------------------
+
+
+def layer_of(module: str, layers: dict[int, tuple[str, ...]] = LAYERS) -> int | None:
+    """The layer whose entries cover ``module`` (the longest matching entry wins), or None."""
+    best: tuple[int, int] | None = None
+    for layer, entries in layers.items():
+        for entry in entries:
+            if (module == entry or module.startswith(f"{entry}.")) and (best is None or len(entry) > best[0]):
+                best = (len(entry), layer)
+    return None if best is None else best[1]
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle (a path that returns to its start) per strongly connected part of ``graph`` that has one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    parts: list[list[str]] = []
+
+    def connect(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                connect(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            part = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                part.append(top)
+                if top == node:
+                    break
+            if len(part) > 1 or node in graph.get(node, ()):
+                parts.append(sorted(part))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    cycles = []
+    for part in parts:
+        members, start = set(part), part[0]
+        # shortest way back to start inside the part (breadth first)
+        previous: dict[str, str] = {}
+        frontier, found = [start], None
+        while frontier and found is None:
+            following = []
+            for node in frontier:
+                for nxt in sorted(graph.get(node, ())):
+                    if nxt == start:
+                        found = node
+                        break
+                    if nxt in members and nxt not in previous:
+                        previous[nxt] = node
+                        following.append(nxt)
+                if found is not None:
+                    break
+            frontier = following
+        path = [start]
+        node = found
+        while node is not None and node != start:
+            path.insert(1, node)
+            node = previous.get(node)
+        cycles.append(path + [start])
+    return cycles
+
+
+def wrong_way(imports: list[Import], layers: dict[int, tuple[str, ...]] = LAYERS) -> list[str]:
+    """Every import between kvpolicy modules that runs up the layers."""
+    problems = []
+    for imp in imports:
+        if not imp.internal or PACKAGE in (imp.importer, imp.target):
+            continue
+        mine, theirs = layer_of(imp.importer, layers), layer_of(imp.target, layers)
+        if mine is None or theirs is None or theirs <= mine:
+            continue
+        problems.append(f"{imp.importer} (layer {mine}, {LAYER_NAMES.get(mine, mine)}) imports {imp.target} "
+                        f"(layer {theirs}, {LAYER_NAMES.get(theirs, theirs)}) at line {imp.line}")
+    return problems
+
+
+def misplaced_packages(imports: list[Import], layers: dict[int, tuple[str, ...]] = LAYERS) -> list[str]:
+    problems = []
+    for imp in imports:
+        if imp.internal:
+            continue
+        layer = layer_of(imp.importer, layers)
+        if imp.target in NOT_BELOW_ENGINES and layer is not None and layer < 2:
+            problems.append(f"{imp.importer} (layer {layer}, {LAYER_NAMES[layer]}) imports {imp.target} at line "
+                            f"{imp.line}: only the engine integrations and the commands may")
+        if imp.target == "triton" and not (imp.importer == TRITON_ONLY_IN
+                                           or imp.importer.startswith(f"{TRITON_ONLY_IN}.")):
+            problems.append(f"{imp.importer} imports triton at line {imp.line}: only {TRITON_ONLY_IN} may")
+    return problems
+
+
+def runtime_graph(imports: list[Import]) -> dict[str, set[str]]:
+    """Who imports whom at run time, between kvpolicy's modules (the package itself left out: see the docstring)."""
+    graph: dict[str, set[str]] = {}
+    for imp in imports:
+        if imp.internal and not imp.type_only and PACKAGE not in (imp.importer, imp.target) \
+                and imp.importer != imp.target:
+            graph.setdefault(imp.importer, set()).add(imp.target)
+    return graph
+
+
+def _not_known(imports: list[Import]) -> list[Import]:
+    return [imp for imp in imports if (imp.importer, imp.target) not in KNOWN_UNTIL_CACHE_REFACTOR]
+
+
+@pytest.fixture(scope="module")
+def imports() -> list[Import]:
+    return read_imports(module_files())
+
+
+# --- the package's tests --------------------------------------------------------------------------------------
+
+
+def test_every_module_has_a_layer():
+    missing = [name for name in module_files() if name != PACKAGE and layer_of(name) is None]
+    assert not missing, (f"modules in no layer: {', '.join(missing)}. Add each to LAYERS in "
+                         "tests/test_architecture.py, in the layer of what it does (see docs/architecture.md)")
+
+
+def test_no_import_circle(imports):
+    cycles = find_cycles(runtime_graph(imports))
+    assert not cycles, "import circles between kvpolicy modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_run_down_the_layers(imports):
+    problems = wrong_way(_not_known(imports))
+    assert not problems, "imports that run up the layers:\n" + "\n".join(problems)
+
+
+def test_third_party_packages_stay_in_their_layers(imports):
+    problems = misplaced_packages(_not_known(imports))
+    assert not problems, "\n".join(problems)
+
+
+def test_known_exceptions_still_exist(imports):
+    """An exception that no longer happens is taken out of KNOWN_UNTIL_CACHE_REFACTOR, so it cannot come back."""
+    edges = {(imp.importer, imp.target) for imp in imports}
+    gone = sorted(KNOWN_UNTIL_CACHE_REFACTOR - edges)
+    assert not gone, f"remove from KNOWN_UNTIL_CACHE_REFACTOR, these imports are gone: {gone}"
+
+
+def test_the_package_imports_its_names_lazily(imports):
+    """kvpolicy/__init__.py imports no kvpolicy module when it runs (only for type checkers)."""
+    eager = [imp for imp in imports if imp.importer == PACKAGE and imp.internal and not imp.type_only]
+    assert not eager, f"kvpolicy/__init__.py imports at run time: {eager}"
+
+
+def test_the_policy_side_imports_without_transformers():
+    code = ("import kvpolicy.recipe, kvpolicy.registry, kvpolicy.plan, kvpolicy.policies.builtin, sys; "
+            "from kvpolicy.recipe import load_recipe; load_recipe('h2o').resolve(4, 2); "
+            "import kvpolicy; kvpolicy.Budget, kvpolicy.Policy, kvpolicy.load_recipe; "
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+            f"{sorted(NOT_BELOW_ENGINES | {'triton'})!r}); "
+            "assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_package_exports_every_name_it_lists():
+    code = ("import kvpolicy, sys; missing = [n for n in kvpolicy.__all__ if getattr(kvpolicy, n, None) is None]; "
+            "assert not missing, missing; assert callable(kvpolicy.attach), kvpolicy.attach; "
+            "import kvpolicy.attach; assert callable(kvpolicy.attach), 'the submodule hid the function'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+# --- the checker catches what it should -----------------------------------------------------------------------
+
+
+def _fake(edges: list[tuple[str, str]]) -> list[Import]:
+    return [Import(a, b, i + 1, b.startswith(PACKAGE), False) for i, (a, b) in enumerate(edges)]
+
+
+def test_checker_finds_a_circle():
+    graph = runtime_graph(_fake([("kvpolicy.commands.cli", "kvpolicy.commands.compare"),
+                                 ("kvpolicy.commands.compare", "kvpolicy.commands.bench"),
+                                 ("kvpolicy.commands.bench", "kvpolicy.commands.cli"),
+                                 ("kvpolicy.commands.bench", "kvpolicy.recipe"),
+                                 ("kvpolicy.recipe", "kvpolicy.plan")]))
+    assert find_cycles(graph) == [["kvpolicy.commands.bench", "kvpolicy.commands.cli", "kvpolicy.commands.compare",
+                                   "kvpolicy.commands.bench"]]
+    assert find_cycles({"a": {"a"}}) == [["a", "a"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_checker_finds_a_wrong_way_import_and_a_misplaced_package():
+    fake = _fake([("kvpolicy.policies.h2o", "kvpolicy.cache"),  # a policy importing the cache
+                  ("kvpolicy.cache", "kvpolicy.commands.compare"),  # the core importing a command
+                  ("kvpolicy.commands.cli", "kvpolicy.recipe"),  # fine: down
+                  ("kvpolicy.recipe", "transformers"),
+                  ("kvpolicy.attach", "triton"),
+                  ("kvpolicy.backend.triton_kernels", "triton")])  # fine
+    problems = wrong_way(fake)
+    assert len(problems) == 2
+    assert problems[0].startswith("kvpolicy.policies.h2o (layer 0, policy side) imports kvpolicy.cache (layer 2")
+    assert problems[1].startswith("kvpolicy.cache (layer 2, engine integrations) imports kvpolicy.commands.compare")
+    misplaced = misplaced_packages(fake)
+    assert len(misplaced) == 2 and "kvpolicy.recipe" in misplaced[0] and "kvpolicy.attach" in misplaced[1]
+    assert layer_of("kvpolicy.storage.dense") == 1 and layer_of("kvpolicy.somewhere_new") is None
+
+
+def test_reader_resolves_relative_and_function_level_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    (pkg / "policies").mkdir(parents=True)
+    (pkg / "__init__.py").write_text('_EXPORTS = {"attach": "kvpolicy.attach"}\n')
+    (pkg / "attach.py").write_text("def attach(): ...\n")
+    (pkg / "recipe.py").write_text("")
+    (pkg / "policies" / "__init__.py").write_text("")
+    (pkg / "policies" / "base.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom .. import recipe\nfrom ..recipe import x\n"
+        "if TYPE_CHECKING:\n    from ..attach import attach\n"
+        "def f():\n    import transformers.utils\n    from kvpolicy import attach\n")
+    found = {(i.importer, i.target, i.type_only) for i in read_imports(module_files(pkg))}
+    assert found == {("kvpolicy.policies.base", "typing", False), ("kvpolicy.policies.base", "kvpolicy.recipe", False),
+                     ("kvpolicy.policies.base", "kvpolicy.attach", True),
+                     ("kvpolicy.policies.base", "transformers", False),
+                     ("kvpolicy.policies.base", "kvpolicy.attach", False)}
