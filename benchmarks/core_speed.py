@@ -20,8 +20,8 @@ import torch
 from transformers import DynamicCache
 
 import kvpolicy
-from kvpolicy.attach import attach
 from kvpolicy.commands.common import parse_budget
+from kvpolicy.hf.session import attach
 from kvpolicy.recipe import load_recipe, with_budget
 
 

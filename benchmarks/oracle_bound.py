@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 import kvpolicy
-from kvpolicy.attach import cache_keyword
 from kvpolicy.commands.common import read_text  # the same text as compare
+from kvpolicy.hf.session import cache_keyword
 
 CHUNK = 64
 _captured: dict[int, torch.Tensor] = {}

@@ -12,8 +12,6 @@ never import transformers; ``kvpolicy.attach`` and the other transformers names 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -23,19 +21,19 @@ _EXPORTS = {
     "AttentionStats": "kvpolicy.policies.base",
     "Budget": "kvpolicy.plan",
     "KVPolicyError": "kvpolicy.errors",
-    "MemoryReport": "kvpolicy.cache",
+    "MemoryReport": "kvpolicy.memory_report",
     "Plan": "kvpolicy.plan",
     "Policy": "kvpolicy.policies.base",
-    "PolicyCache": "kvpolicy.cache",
+    "PolicyCache": "kvpolicy.hf.cache",
     "Recipe": "kvpolicy.recipe",
     "RecipeError": "kvpolicy.errors",
-    "Session": "kvpolicy.attach",
+    "Session": "kvpolicy.hf.session",
     "TokenView": "kvpolicy.policies.base",
-    "attach": "kvpolicy.attach",
-    "attach_rows": "kvpolicy.attach",
+    "attach": "kvpolicy.hf.session",
+    "attach_rows": "kvpolicy.hf.session",
     "get_registry": "kvpolicy.registry",
     "hookimpl": "kvpolicy.hookspecs",
-    "load_model": "kvpolicy.models",
+    "load_model": "kvpolicy.hf.models",
     "load_recipe": "kvpolicy.recipe",
     "with_budget": "kvpolicy.recipe",
 }
@@ -47,11 +45,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .attach import Session, attach, attach_rows
-    from .cache import MemoryReport, PolicyCache
     from .errors import KVPolicyError, RecipeError
+    from .hf.cache import PolicyCache
+    from .hf.models import load_model
+    from .hf.session import Session, attach, attach_rows
     from .hookspecs import hookimpl
-    from .models import load_model
+    from .memory_report import MemoryReport
     from .plan import Budget, Plan
     from .policies.base import AttentionStats, Policy, TokenView
     from .recipe import Recipe, load_recipe, with_budget
@@ -76,17 +75,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """Keeps ``kvpolicy.attach`` the function, as an eager ``from .attach import attach`` would: importing the
-    submodule kvpolicy.attach sets the package's attribute of that name to the module, which would hide the
-    function of the same name."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType) and value.__name__ == _EXPORTS[name]:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

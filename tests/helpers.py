@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from kvpolicy.attach import model_shape
+from kvpolicy.hf.session import model_shape
 from kvpolicy.plan import UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.registry import get_registry
 
@@ -59,7 +59,7 @@ def run_against_reference(model, reference, plan, ids, mask, steps: int):
     Asserts the same kept positions per (layer, row, KV head) after every forward pass,
     the same tokens and the same logits; returns kvpolicy's per-step kept positions.
     """
-    from kvpolicy.attach import attach
+    from kvpolicy.hf.session import attach
 
     reference.register()
     model.set_attn_implementation(reference.name)

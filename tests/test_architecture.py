@@ -33,11 +33,11 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "kvpolicy.policies",
     ),
     1: (  # kernels and storage
-        "kvpolicy.backend", "kvpolicy.storage", "kvpolicy.memory", "kvpolicy.rotary", "kvpolicy.layer",
-        "kvpolicy.budgets",
+        "kvpolicy.backend", "kvpolicy.storage", "kvpolicy.memory_report", "kvpolicy.rotary", "kvpolicy.layer",
+        "kvpolicy.budgets", "kvpolicy.policy_calls",
     ),
     2: (  # engine integrations
-        "kvpolicy.attach", "kvpolicy.cache", "kvpolicy.models", "kvpolicy.hf", "kvpolicy.integrations",
+        "kvpolicy.hf", "kvpolicy.integrations",
     ),
     3: (  # commands
         "kvpolicy.commands", "kvpolicy.tasks",
@@ -315,7 +315,7 @@ def test_the_policy_side_imports_without_transformers():
 def test_the_package_exports_every_name_it_lists():
     code = ("import kvpolicy, sys; missing = [n for n in kvpolicy.__all__ if getattr(kvpolicy, n, None) is None]; "
             "assert not missing, missing; assert callable(kvpolicy.attach), kvpolicy.attach; "
-            "import kvpolicy.attach; assert callable(kvpolicy.attach), 'the submodule hid the function'")
+            "import kvpolicy.hf.session; assert callable(kvpolicy.attach), kvpolicy.attach")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -340,18 +340,18 @@ def test_checker_finds_a_circle():
 
 
 def test_checker_finds_a_wrong_way_import_and_a_misplaced_package():
-    fake = _fake([("kvpolicy.policies.h2o", "kvpolicy.cache"),  # a policy importing the cache
-                  ("kvpolicy.cache", "kvpolicy.commands.compare"),  # the core importing a command
+    fake = _fake([("kvpolicy.policies.h2o", "kvpolicy.hf.cache"),  # a policy importing the cache
+                  ("kvpolicy.hf.cache", "kvpolicy.commands.compare"),  # an engine importing a command
                   ("kvpolicy.commands.cli", "kvpolicy.recipe"),  # fine: down
                   ("kvpolicy.recipe", "transformers"),
-                  ("kvpolicy.attach", "triton"),
+                  ("kvpolicy.hf.session", "triton"),
                   ("kvpolicy.backend.triton_kernels", "triton")])  # fine
     problems = wrong_way(fake)
     assert len(problems) == 2
-    assert problems[0].startswith("kvpolicy.policies.h2o (layer 0, policy side) imports kvpolicy.cache (layer 2")
-    assert problems[1].startswith("kvpolicy.cache (layer 2, engine integrations) imports kvpolicy.commands.compare")
+    assert problems[0].startswith("kvpolicy.policies.h2o (layer 0, policy side) imports kvpolicy.hf.cache (layer 2")
+    assert problems[1].startswith("kvpolicy.hf.cache (layer 2, engine integrations) imports kvpolicy.commands.compare")
     misplaced = misplaced_packages(fake)
-    assert len(misplaced) == 2 and "kvpolicy.recipe" in misplaced[0] and "kvpolicy.attach" in misplaced[1]
+    assert len(misplaced) == 2 and "kvpolicy.recipe" in misplaced[0] and "kvpolicy.hf.session" in misplaced[1]
     assert layer_of("kvpolicy.storage.dense") == 1 and layer_of("kvpolicy.somewhere_new") is None
 
 

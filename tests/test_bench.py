@@ -10,7 +10,6 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.commands.bench import (
     Config,
     PeakMeter,
@@ -24,6 +23,7 @@ from kvpolicy.commands.bench import (
 )
 from kvpolicy.commands.cli import main
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget
 from kvpolicy.recipe import load_recipe, with_budget
 
@@ -98,7 +98,7 @@ def test_peak_meter_sees_the_layer_that_holds_the_whole_prompt():
 
 def test_padded_rows_give_the_tokens_of_the_prompts_run_alone(tiny):
     model_dir, text = tiny
-    from kvpolicy.models import load_model
+    from kvpolicy.hf.models import load_model
 
     model, tokenizer = load_model(model_dir)
     text_ids = tokenizer(open(text).read(), return_tensors="pt")["input_ids"][0]

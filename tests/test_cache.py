@@ -9,8 +9,8 @@ import torch
 from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget
 
 LENGTHS = (17, 11, 6)
@@ -88,7 +88,7 @@ def test_slack_amortizes_compaction():
 
 
 def test_rows_with_different_recipes_match_each_recipe_alone():
-    from kvpolicy.attach import attach_rows
+    from kvpolicy.hf.session import attach_rows
 
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=(14,))
@@ -114,7 +114,7 @@ def test_rows_with_different_recipes_match_each_recipe_alone():
 
 def test_rows_whose_policies_read_different_windows_match_each_recipe_alone():
     """A layer computes `last_rows` for its widest window; each policy must still see only its own rows."""
-    from kvpolicy.attach import attach_rows
+    from kvpolicy.hf.session import attach_rows
 
     model = tiny_model("llama")
     ids, mask = padded_batch(lengths=(16,))

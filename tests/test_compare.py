@@ -112,7 +112,7 @@ def test_passkey_prompt_is_deterministic_and_the_key_is_where_it_says():
 
 
 def test_passkey_key_position_with_the_real_tokenizer_and_chat_template():
-    from kvpolicy.models import _CACHE_NAME, default_cache_dir
+    from kvpolicy.hf.models import _CACHE_NAME, default_cache_dir
 
     folder = default_cache_dir() / _CACHE_NAME
     if not (folder / "tokenizer_config.json").is_file():

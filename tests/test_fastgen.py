@@ -14,10 +14,10 @@ import torch
 from helpers import StepRecorder, greedy, run_script_under_interpreter, uniform_plan
 from tiny_models import char_tokenizer, padded_batch, tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.commands.cli import main
 from kvpolicy.commands.profile import profile_model, recipe_patterns
 from kvpolicy.errors import KVPolicyError, RecipeError
+from kvpolicy.hf.session import attach
 from kvpolicy.policies.base import AttentionStats, TokenView
 from kvpolicy.policies.fastgen import (
     FastGen,
@@ -385,7 +385,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from helpers import StepRecorder, greedy, uniform_plan
 from tiny_models import padded_batch, tiny_model
-from kvpolicy.attach import attach
+from kvpolicy.hf.session import attach
 
 model = tiny_model("llama")
 ids, mask = padded_batch(lengths=(17, 12, 9))

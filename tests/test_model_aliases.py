@@ -8,7 +8,7 @@ import pytest
 
 from kvpolicy import hookimpl
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.models import load_model, model_aliases, resolve_alias
+from kvpolicy.hf.models import load_model, model_aliases, resolve_alias
 from kvpolicy.registry import Registry
 
 

@@ -1,4 +1,4 @@
-"""kvpolicy.models: alias resolution, errors, the fp32 cache of the SmolLM2 GGUF, and the real model (slow)."""
+"""kvpolicy.hf.models: alias resolution, errors, the fp32 cache of the SmolLM2 GGUF, and the real model (slow)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpolicy import models
+from kvpolicy.hf import models
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.models import default_cache_dir, load_model, model_aliases
+from kvpolicy.hf.models import default_cache_dir, load_model, model_aliases
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 

@@ -7,8 +7,8 @@ import torch
 from helpers import greedy, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget
 
 STEPS = 20

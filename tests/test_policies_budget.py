@@ -9,7 +9,7 @@ import torch
 from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
-from kvpolicy.attach import attach
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget
 from kvpolicy.policies.base import AttentionStats, TokenView
 from kvpolicy.registry import get_registry

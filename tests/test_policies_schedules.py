@@ -10,9 +10,9 @@ import torch
 from helpers import StepRecorder, greedy
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.attach import attach
 from kvpolicy.commands.cli import main
 from kvpolicy.errors import RecipeError
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import UNBOUNDED, Budget
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget
 

@@ -12,7 +12,7 @@ from helpers import StepRecorder, greedy, per_head_counts, run_script_under_inte
 from tiny_models import padded_batch, tiny_model
 
 import kvpolicy.storage.ragged
-from kvpolicy.attach import attach, attach_rows, model_shape
+from kvpolicy.hf.session import attach, attach_rows, model_shape
 from kvpolicy.plan import Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.recipe import load_recipe
 from kvpolicy.registry import get_registry
@@ -252,7 +252,7 @@ import sys, torch
 sys.path.insert(0, "tests")
 from helpers import StepRecorder, greedy, uniform_plan
 from tiny_models import padded_batch, tiny_model
-from kvpolicy.attach import attach
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget, HeadPlan, LayerPlan
 
 model = tiny_model("llama")

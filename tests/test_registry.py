@@ -98,7 +98,7 @@ def test_policy_with_bad_scores_fails_with_its_name(score, message):
     from helpers import uniform_plan
     from tiny_models import tiny_model
 
-    from kvpolicy.attach import attach
+    from kvpolicy.hf.session import attach
     from kvpolicy.plan import Budget
 
     bad = type("Bad", (Policy,), {"name": "test_bad", "score": score})

@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import rotate_half
 
-from kvpolicy.attach import attach
+from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget
 
 NAME = "streaming_incache_reference"

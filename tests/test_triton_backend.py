@@ -305,8 +305,8 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
     from helpers import StepRecorder, greedy, uniform_plan
     from tiny_models import padded_batch, tiny_model
 
-    from kvpolicy.attach import attach
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
+    from kvpolicy.hf.session import attach
     from kvpolicy.plan import Budget
 
     model = tiny_model("llama").to(DEVICE)  # 6 query heads over 2 KV heads (G=3), head dim 16

@@ -1,4 +1,4 @@
-"""Which attention backend runs: the torch reference or the Triton kernels; `attend` hands a call to it."""
+"""Which attention backend a session runs: the torch reference or the Triton kernels."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import os
 import torch
 
 from ..errors import KVPolicyError, did_you_mean
-from . import torch_ref
-from .call import AttentionCall, AttentionResult
+from ..plan import BACKEND_NAMES
 
-BACKENDS = ("auto", "torch", "triton")
 ENV_VAR = "KVPOLICY_BACKEND"
 
 
@@ -51,9 +49,9 @@ def select_backend(name: str | None, device: torch.device | str | None = None, *
     if env:
         name, source = env, f"the environment variable {ENV_VAR}"
     name = (name or "auto").strip().lower()
-    if name not in BACKENDS:
+    if name not in BACKEND_NAMES:
         raise KVPolicyError(
-            f"unknown backend {name!r} (from {source}){did_you_mean(name, BACKENDS)}; choose one of {', '.join(BACKENDS)}"
+            f"unknown backend {name!r} (from {source}){did_you_mean(name, BACKEND_NAMES)}; choose one of {', '.join(BACKEND_NAMES)}"
         )
     if name == "torch":
         return "torch"
@@ -80,11 +78,3 @@ def select_backend(name: str | None, device: torch.device | str | None = None, *
         + "; to run the kernels on CPU for testing only, set TRITON_INTERPRET=1 before importing triton"
     )
 
-
-def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
-    """Run ``call`` on its backend (``call.backend``, resolved by `select_backend`)."""
-    if call.backend == "triton":
-        from . import triton_kernels  # lazy: importing triton is slow
-
-        return triton_kernels.attend(query, call)
-    return torch_ref.attend(query, call)

@@ -105,37 +105,34 @@ class PeakMeter:
     Layers run one after another, and each evicts right after its attention: so when
     layer i updates, layer i-1 has already shrunk. The sum of the latest per-layer figures
     is then exact at every update, including the moment one layer holds the whole prompt.
+    A kvpolicy cache reports its updates (`PolicyCache.update_watchers`); a plain cache never
+    shrinks, so its peak is its size at the end.
     """
 
     def __init__(self, cache: Any):
         self.cache = cache
         self.sizes = [0] * len(cache.layers)
         self.peak = 0
-        self._originals = []
-        for index, layer in enumerate(cache.layers):
-            original = layer.update
-            self._originals.append((layer, original))
+        self._watchers = getattr(cache, "update_watchers", None)
+        if self._watchers is not None:
+            self._watchers.append(self._updated)
 
-            def update(*args: Any, _index: int = index, _original: Any = original, **kwargs: Any) -> Any:
-                if _index:
-                    self._refresh(_index - 1)
-                result = _original(*args, **kwargs)
-                self._refresh(_index)
-                return result
-
-            layer.update = update
+    def _updated(self, index: int) -> None:
+        if index:
+            self._refresh(index - 1)
+        self._refresh(index)
 
     def _refresh(self, index: int) -> None:
         self.sizes[index] = _layer_bytes(self.cache.layers[index])
         self.peak = max(self.peak, sum(self.sizes))
 
     def stop(self) -> int:
-        """Take the last layer's state, unwrap the layers and return the peak."""
-        if self.sizes:
-            self._refresh(len(self.sizes) - 1)
-        for layer, _original in self._originals:
-            layer.__dict__.pop("update", None)
-        self._originals = []
+        """Take the last layer's state, stop watching and return the peak."""
+        watched = self._watchers is not None
+        for index in range(len(self.sizes) - 1 if watched else 0, len(self.sizes)):
+            self._refresh(index)
+        if self._watchers is not None and self._updated in self._watchers:
+            self._watchers.remove(self._updated)
         return self.peak
 
 
@@ -161,7 +158,7 @@ class Config:
 
     def use(self, model: Any) -> None:
         """Switch the model to this configuration's attention (configurations take turns on one model)."""
-        from ..attach import ATTENTION_NAME
+        from ..hf.attention import ATTENTION_NAME
 
         model.set_attn_implementation("sdpa" if self.session is None else ATTENTION_NAME)
 
@@ -175,7 +172,7 @@ class Config:
 
 
 def _configs(model: Any, names: list[str], budget: str | None) -> list[Config]:
-    from ..attach import attach
+    from ..hf.session import attach
 
     configs = [Config(PLAIN)]
     previous = model.config._attn_implementation
@@ -230,7 +227,7 @@ def _sync(device: torch.device) -> None:
 
 def _forward(model: Any, run: Run, ids: torch.Tensor) -> torch.Tensor:
     """One forward over ``ids`` (the mask already covers them); positions skip the left pads, as ``generate`` does."""
-    from ..attach import cache_keyword
+    from ..hf.session import cache_keyword
 
     positions = (run.mask.cumsum(dim=1) - 1).clamp(min=0)[:, -ids.shape[1] :]
     out = model(
@@ -391,7 +388,7 @@ def _add_ratios(results: list[dict]) -> None:
 # --- long stream ------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def run_stream(model: Any, text_ids: torch.Tensor, args: argparse.Namespace, log) -> list[dict]:
-    from ..attach import attach, cache_keyword
+    from ..hf.session import attach, cache_keyword
 
     name = args.recipe or (args.recipes[0] if args.recipes else "h2o")
     recipe = load_recipe(name)
@@ -546,7 +543,7 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> list[dict]:
-    from ..models import load_model
+    from ..hf.models import load_model
 
     _check(args)
     Console = require("rich.console").Console

@@ -23,8 +23,8 @@ DEFAULT_SHAPE = (30, 3)
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
-    from ..attach import attach
-    from ..models import load_model
+    from ..hf.models import load_model
+    from ..hf.session import attach
 
     text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
     recipe = load_recipe(args.recipe)
@@ -48,7 +48,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def _model_shape(name: str) -> tuple[int, int]:
     """(layers, KV heads) of a model alias or local folder, from its config alone (no weights load)."""
-    from ..models import _ALIAS_SPELLINGS, model_aliases, resolve_alias
+    from ..hf.models import _ALIAS_SPELLINGS, model_aliases, resolve_alias
 
     resolved = resolve_alias(name)
     if resolved.lower() in _ALIAS_SPELLINGS:
@@ -102,7 +102,7 @@ def _listed(value: object) -> list:
 def cmd_profile(args: argparse.Namespace) -> None:
     import torch
 
-    from ..models import load_model
+    from ..hf.models import load_model
 
     text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
     params = params_from_args(args)

@@ -109,7 +109,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
 
 def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
     """The full baseline once, then every recipe that takes a budget at every budget (the others once)."""
-    from ..attach import model_shape
+    from ..hf.session import model_shape
 
     layers, heads = model_shape(model)
     rows = []
@@ -217,7 +217,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
     """Model, tokenized text (checked long enough for the tasks) and the sweep's rows."""
     import torch
 
-    from ..models import load_model
+    from ..hf.models import load_model
 
     model, tokenizer = load_model(args.model)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -235,7 +235,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
 def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: dict[str, Any], force: bool,
            console: Any) -> list[dict[str, Any]]:
     """Run each task on its rows missing from results.jsonl (all with ``force``); return the sweep's results."""
-    from ..attach import model_shape
+    from ..hf.session import model_shape
 
     shape = model_shape(ctx.model)
     out.mkdir(parents=True, exist_ok=True)

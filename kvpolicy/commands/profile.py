@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import KVPolicyError
-from ..memory import _human
+from ..memory_report import human_bytes
 from ..policies.fastgen import FastGenParams, parse_pattern, pattern_name
 from ..recipe import load_recipe
 
@@ -135,7 +135,7 @@ def recipe_patterns(plan: Any) -> list[list[str]]:
 def profile_model(model: Any, tokenizer: Any, input_ids: torch.Tensor, *, source: str = "<prompt>",
                   model_name: str = "<model>", **params: Any) -> Profile:
     """Profile ``model`` on one prompt (``input_ids`` [T] or [1, T]) with FastGen ``params`` (threshold=..., ...)."""
-    from ..attach import attach
+    from ..hf.session import attach
 
     if "pattern" in params:
         raise KVPolicyError("profiling chooses the patterns: do not give `pattern`")
@@ -168,7 +168,7 @@ def runtime_recipe(**params: Any) -> Any:
 
 
 def _cache_kwarg(model: Any, cache: Any) -> dict[str, Any]:
-    from ..attach import cache_keyword
+    from ..hf.session import cache_keyword
 
     return {cache_keyword(model): cache}
 
@@ -209,7 +209,7 @@ def _quoted(text: str) -> str:
 
 
 def _mib(size: int) -> str:
-    return _human(size)
+    return human_bytes(size)
 
 
 def params_from_args(args: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..attach import attach, attach_rows, cache_keyword
+from ..hf.session import attach, attach_rows, cache_keyword
 from ..plan import Budget
 
 

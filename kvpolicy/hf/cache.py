@@ -8,13 +8,14 @@ right before the model calls attention for that same layer (`active_layer`).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .errors import KVPolicyError
-from .layer import PolicyLayer, TokenFeed
-from .memory import MemoryReport
+from ..errors import KVPolicyError
+from ..layer import PolicyLayer, TokenFeed
+from ..memory_report import MemoryReport
 
 _active = threading.local()
 
@@ -34,6 +35,7 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     is_compileable = False
     is_croppable = False
     supports_early_init = False
+    update_watchers: list[Callable[[int], None]] = []
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._initialize(key_states, value_states)
@@ -41,6 +43,8 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys_values = self.append(key_states, value_states)
         _active.layer = self
+        for watcher in self.update_watchers:
+            watcher(self.layer_idx)
         return keys_values
 
     def end_call(self, stats) -> None:
@@ -74,10 +78,13 @@ class PolicyCache(Cache):
 
     def __init__(self, layers: list[CacheLayer]):
         super().__init__(layers=layers)
-        # only when a policy reads token ids: the session's forward pre-hook fills it (attach.py)
+        # only when a policy reads token ids: the session's forward pre-hook fills it (session.py)
         self.token_feed = TokenFeed() if any(layer.token_id_policies for layer in layers) else None
+        #: called with a layer's index right after it stored a pass's K/V (e.g. `kvpolicy bench`'s peak meter)
+        self.update_watchers: list[Callable[[int], None]] = []
         for layer in layers:
             layer.token_feed = self.token_feed
+            layer.update_watchers = self.update_watchers
 
     def memory_report(self) -> MemoryReport:
         return MemoryReport([layer.memory() for layer in self.layers])

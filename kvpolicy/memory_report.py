@@ -58,33 +58,33 @@ class MemoryReport:
             span = f"{layer['tokens_min']}" if layer["tokens_min"] == layer["tokens_max"] else f"{layer['tokens_min']}-{layer['tokens_max']}"
             layout = "ragged" if layer.get("ragged") else "dense"
             labels = "  " + ", ".join(
-                f"{label} x{n['cells']} ({_human(n['live_kv_bytes'])} / {_human(n['allocated_kv_bytes'])})"
+                f"{label} x{n['cells']} ({human_bytes(n['live_kv_bytes'])} / {human_bytes(n['allocated_kv_bytes'])})"
                 for label, n in sorted(layer.get("by_label", {}).items())
             ) if labelled else ""
             lines.append(
-                f"{index:>5} {span:>13} {_human(layer['live_kv_bytes']):>10} "
-                f"{_human(layer['allocated_kv_bytes']):>13} {_human(layer['metadata_bytes']):>13} {layout:>7}{labels}"
+                f"{index:>5} {span:>13} {human_bytes(layer['live_kv_bytes']):>10} "
+                f"{human_bytes(layer['allocated_kv_bytes']):>13} {human_bytes(layer['metadata_bytes']):>13} {layout:>7}{labels}"
             )
         lines.append(
-            f"{'total':>5} {'':>13} {_human(self.live_kv_bytes):>10} {_human(self.allocated_kv_bytes):>13} "
-            f"{_human(self.metadata_bytes):>13}"
+            f"{'total':>5} {'':>13} {human_bytes(self.live_kv_bytes):>10} {human_bytes(self.allocated_kv_bytes):>13} "
+            f"{human_bytes(self.metadata_bytes):>13}"
         )
         if labelled:
             for label, n in sorted(self.by_label().items()):
                 lines.append(
-                    f"  {label}: {n['cells']} heads, {n['tokens']} tokens, {_human(n['live_kv_bytes'])} live, "
-                    f"{_human(n['allocated_kv_bytes'])} allocated"
+                    f"  {label}: {n['cells']} heads, {n['tokens']} tokens, {human_bytes(n['live_kv_bytes'])} live, "
+                    f"{human_bytes(n['allocated_kv_bytes'])} allocated"
                 )
         if any(layer.get("ragged") for layer in self.layers):
             lines.append(
                 f"ragged layers hold each (row, KV head)'s tokens in a segment of its own size; attention reads "
                 f"a transient dense copy of one layer at a time (workspace, not cache): at most "
-                f"{_human(self.workspace_kv_bytes)}"
+                f"{human_bytes(self.workspace_kv_bytes)}"
             )
         return "\n".join(lines)
 
 
-def _human(size: int) -> str:
+def human_bytes(size: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"

@@ -1,0 +1,17 @@
+"""`attend`: hand an `AttentionCall` to the backend it names."""
+
+from __future__ import annotations
+
+import torch
+
+from . import torch_ref
+from .call import AttentionCall, AttentionResult
+
+
+def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
+    """Run ``call`` on its backend (``call.backend``, resolved by `select.select_backend`)."""
+    if call.backend == "triton":
+        from . import triton_kernels  # lazy: importing triton is slow
+
+        return triton_kernels.attend(query, call)
+    return torch_ref.attend(query, call)
