@@ -23,6 +23,7 @@ import torch
 from .backend.call import AttentionCall
 from .budgets import CellBudgets
 from .errors import KVPolicyError
+from .memory_report import layer_memory
 from .plan import LayerPlan
 from .policies.base import AttentionStats, TokenView
 from .policy_calls import NaNCheck, PolicyGroup, checked, stats_for
@@ -275,25 +276,8 @@ class PolicyLayer:
         return labels
 
     def memory(self) -> dict[str, Any]:
-        """Live and allocated K/V bytes, metadata bytes, token counts (see `memory_report`)."""
-        store = self.store
-        if store is None:
-            return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0,
-                    "tokens_max": 0, "ragged": 0, "workspace_kv_bytes": 0, "by_label": {}}
-        tokens = self.valid.sum(dim=2)
-        per_token = self.bytes_per_token()
-        metadata = [*store.slots.tensors(), *self.cell_state.values(), *store.bookkeeping()]
-        allocated = store.kv_bytes()
-        return {
-            "live_kv_bytes": int(tokens.sum()) * per_token,
-            "allocated_kv_bytes": allocated,
-            "metadata_bytes": sum(storage_bytes(t) for t in metadata),
-            "tokens_min": int(tokens.min()),
-            "tokens_max": int(tokens.max()),
-            "ragged": int(self.ragged),
-            "workspace_kv_bytes": store.workspace_bytes,
-            "by_label": self._memory_by_label(tokens, per_token, allocated),
-        }
+        """Live and allocated K/V bytes, metadata bytes, token counts, per cell label (`memory_report.layer_memory`)."""
+        return layer_memory(self)
 
     def bytes_per_token(self) -> int:
         """K/V bytes of one token of one cell."""
@@ -305,20 +289,3 @@ class PolicyLayer:
             return 0
         tensors = [*self.store.slots.tensors(), *self.cell_state.values(), *self.store.bookkeeping()]
         return self.store.kv_bytes() + sum(storage_bytes(t) for t in tensors)
-
-    def _memory_by_label(self, tokens: torch.Tensor, per_token: int, allocated: int) -> dict[str, dict[str, int]]:
-        """Cells, tokens, live and allocated K/V bytes per cell label (report time only: Python loops are fine)."""
-        cells = tokens.numel()
-        rows = self.store.cell_rows()
-        rows = rows.tolist() if rows is not None else None
-        counts = tokens.tolist()  # one device sync, not one per cell
-        out: dict[str, dict[str, int]] = {}
-        for b, row in enumerate(self.cell_labels()):
-            for h, label in enumerate(row):
-                entry = out.setdefault(label, {"cells": 0, "tokens": 0, "live_kv_bytes": 0, "allocated_kv_bytes": 0})
-                entry["cells"] += 1
-                entry["tokens"] += counts[b][h]
-                entry["live_kv_bytes"] += counts[b][h] * per_token
-                # equal-width storage gives every cell the same share; ragged storage each cell its own segment
-                entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
-        return out

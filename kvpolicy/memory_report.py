@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass
 class MemoryReport:
@@ -90,3 +92,43 @@ def human_bytes(size: int) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return str(size)
+
+
+def layer_memory(layer: Any) -> dict[str, Any]:
+    """One `PolicyLayer`'s figures: the bytes its tensors really hold, and per cell label."""
+    store = layer.store
+    if store is None:
+        return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0,
+                "tokens_max": 0, "ragged": 0, "workspace_kv_bytes": 0, "by_label": {}}
+    tokens = store.slots.valid.sum(dim=2)
+    per_token = store.bytes_per_token()
+    metadata = [*store.slots.tensors(), *layer.cell_state.values(), *store.bookkeeping()]
+    allocated = store.kv_bytes()
+    return {
+        "live_kv_bytes": int(tokens.sum()) * per_token,
+        "allocated_kv_bytes": allocated,
+        "metadata_bytes": sum(t.untyped_storage().nbytes() for t in metadata),
+        "tokens_min": int(tokens.min()),
+        "tokens_max": int(tokens.max()),
+        "ragged": int(layer.ragged),
+        "workspace_kv_bytes": store.workspace_bytes,
+        "by_label": _by_label(layer.cell_labels(), tokens, store.cell_rows(), per_token, allocated),
+    }
+
+
+def _by_label(labels: list[list[str]], tokens: torch.Tensor, rows: torch.Tensor | None, per_token: int,
+              allocated: int) -> dict[str, dict[str, int]]:
+    """Cells, tokens, live and allocated K/V bytes per cell label (report time only: Python loops are fine)."""
+    cells = tokens.numel()
+    rows = rows.tolist() if rows is not None else None
+    counts = tokens.tolist()  # one device sync, not one per cell
+    out: dict[str, dict[str, int]] = {}
+    for b, row in enumerate(labels):
+        for h, label in enumerate(row):
+            entry = out.setdefault(label, {"cells": 0, "tokens": 0, "live_kv_bytes": 0, "allocated_kv_bytes": 0})
+            entry["cells"] += 1
+            entry["tokens"] += counts[b][h]
+            entry["live_kv_bytes"] += counts[b][h] * per_token
+            # equal-width storage gives every cell the same share; ragged storage each cell its own segment
+            entry["allocated_kv_bytes"] += rows[b][h] * per_token if rows is not None else allocated // cells
+    return out

@@ -371,3 +371,12 @@ def test_reader_resolves_relative_and_function_level_imports(tmp_path):
                      ("kvpolicy.policies.base", "kvpolicy.attach", True),
                      ("kvpolicy.policies.base", "transformers", False),
                      ("kvpolicy.policies.base", "kvpolicy.attach", False)}
+
+
+def test_every_package_ships():
+    """A non-editable install ships only the packages pyproject lists: every folder of kvpolicy/ must be there."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / PACKAGE).rglob("__init__.py")}
+    assert folders <= listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(folders - listed)}"
