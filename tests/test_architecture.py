@@ -29,7 +29,8 @@ PACKAGE = "kvpolicy"
 # do not exist (yet) are fine. A module may import from its own layer and the layers below.
 LAYERS: dict[int, tuple[str, ...]] = {
     0: (  # the policy side: recipes, plans, policies, the statistics' types; no engine
-        "kvpolicy.errors", "kvpolicy.plan", "kvpolicy.recipe", "kvpolicy.registry", "kvpolicy.hookspecs",
+        "kvpolicy.errors", "kvpolicy.plan", "kvpolicy.recipe", "kvpolicy.recipe_schema", "kvpolicy.recipe_checks",
+        "kvpolicy.recipe_budgets", "kvpolicy.recipe_selectors", "kvpolicy.registry", "kvpolicy.hookspecs",
         "kvpolicy.policies",
     ),
     1: (  # kernels and storage

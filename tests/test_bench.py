@@ -10,17 +10,16 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from kvpolicy.commands.bench import (
+from kvpolicy.commands.bench_cap import (
     Config,
-    PeakMeter,
     Run,
     _decode,
     _prefill,
     _prompts,
-    cache_bytes,
     parse_bytes,
     rows_holding_budget,
 )
+from kvpolicy.commands.bench_meter import PeakMeter, cache_bytes
 from kvpolicy.commands.cli import main
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf.session import attach

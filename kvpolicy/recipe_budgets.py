@@ -1,0 +1,125 @@
+"""Recipe budgets: the budget mapping read into a `Budget`, and schedules that spread it over layers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import did_you_mean
+from .plan import Budget
+from .recipe_checks import check_keys, line_of, recipe_error, type_ok
+from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a budget is spread over the layers that use it; the mean over those layers is the budget.
+
+    ``pyramid`` (PyramidKV, Cai et al. 2024): falls linearly with depth, from 2b - b/beta at
+    the lowest layer to b/beta at the top. ``funnel``: the mirror, rising with depth (as
+    Scissorhands suggests: later layers need more). ``per_layer``: one multiplier per layer,
+    averaging to 1. Token budgets are rounded so that their sum is exact; ratio budgets are
+    scaled (each layer then rounds its own count up, so the mean may exceed b by < 1 token).
+    """
+
+    kind: str = DEFAULTS["budget", "schedule"]
+    beta: float = DEFAULTS["budget", "beta"]
+    per_layer: tuple[float, ...] | None = None
+    path: str = "budget"
+    line: int | None = None
+
+    def multipliers(self, count: int, file: str) -> list[float]:
+        if self.per_layer is not None:
+            if len(self.per_layer) != count:
+                raise recipe_error(file, self.line, f"{self.path}.per_layer",
+                                   f"{len(self.per_layer)} multipliers for {count} layers that use this budget",
+                                   "Give one multiplier per such layer, in depth order")
+            return list(self.per_layer)
+        if self.kind == "uniform" or count == 1:
+            return [1.0] * count
+        top, bottom = 1.0 / self.beta, 2.0 - 1.0 / self.beta
+        falling = [bottom - (bottom - top) * index / (count - 1) for index in range(count)]
+        return falling if self.kind == "pyramid" else falling[::-1]
+
+    def describe(self) -> str:
+        if self.per_layer is not None:
+            return "per_layer multipliers"
+        return self.kind if self.kind == "uniform" else f"{self.kind} (beta={self.beta:g})"
+
+
+def scale_budget(budget: Budget, multipliers: list[float]) -> list[Budget]:
+    """``budget`` times each multiplier; token counts by largest remainder (ties: the lower layer), summing exactly."""
+    if budget.tokens is None:
+        return [dataclasses.replace(budget, ratio=budget.ratio * m) for m in multipliers]
+    exact = [budget.tokens * m for m in multipliers]
+    tokens = [int(x) for x in exact]
+    for index in sorted(range(len(exact)), key=lambda i: round(tokens[i] - exact[i], 9))[: round(sum(exact)) - sum(tokens)]:
+        tokens[index] += 1
+    for index in range(len(tokens)):
+        while tokens[index] < 1:  # keep at least one token: take it from the largest layer
+            tokens[index] += 1
+            tokens[max(range(len(tokens)), key=tokens.__getitem__)] -= 1
+    return [dataclasses.replace(budget, tokens=t) for t in tokens]
+
+
+def budget_amount(budget: Budget) -> float:
+    return budget.tokens if budget.tokens is not None else budget.ratio
+
+
+def read_schedule(raw: Any, path: str, file: str) -> Schedule | None:
+    if not any(k in raw for k in ("schedule", "beta", "per_layer")):
+        return None
+    kind, line = raw.get("schedule", DEFAULTS["budget", "schedule"]), line_of(raw)
+    if kind not in SCHEDULES:
+        raise recipe_error(file, line_of(raw, "schedule"), f"{path}.schedule", f"unknown schedule {kind!r}"
+                           f"{did_you_mean(str(kind), SCHEDULES)}", f"Use one of: {', '.join(SCHEDULES)}, or per_layer: [...]")
+    beta = raw.get("beta", DEFAULTS["budget", "beta"])
+    if "beta" in raw and kind not in ("pyramid", "funnel"):
+        raise recipe_error(file, line_of(raw, "beta"), f"{path}.beta", f"beta only applies to schedule pyramid or funnel, "
+                           f"not {kind}", "E.g. budget: {ratio: 0.2, schedule: pyramid, beta: 20}")
+    if not (type_ok(beta, float) and beta >= 1):
+        raise recipe_error(file, line_of(raw, "beta"), f"{path}.beta", f"must be a number >= 1, got {beta!r}",
+                           "The top layer gets budget/beta and the bottom one 2*budget - budget/beta (PyramidKV: 20)")
+    per_layer = raw.get("per_layer")
+    if per_layer is not None:
+        where = (file, line_of(raw, "per_layer"), f"{path}.per_layer")
+        if kind != "uniform":
+            raise recipe_error(*where, f"per_layer and schedule: {kind} exclude each other", "Give one of them")
+        if not (isinstance(per_layer, list) and per_layer and all(type_ok(m, float) and m > 0 for m in per_layer)):
+            raise recipe_error(*where, f"expected a list of positive multipliers, got {per_layer!r}",
+                               "E.g. per_layer: [1.5, 1.0, 0.5]: layer budgets as multiples of the budget, averaging 1")
+        average = sum(per_layer) / len(per_layer)
+        if abs(average - 1.0) > 1e-6:
+            raise recipe_error(*where, f"the multipliers average {average:.6g}, not 1",
+                               "They scale the budget per layer, so the mean layer budget stays the recipe's budget")
+        per_layer = tuple(float(m) for m in per_layer)
+    return Schedule(kind, float(beta), per_layer, path, line)
+
+
+def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False) -> tuple[Budget, bool, Schedule | None]:
+    """(Budget, whether slack was given, schedule).
+
+    A rule's budget may give only a schedule: its Budget then has neither ratio nor tokens,
+    and the rule's layers share the top-level amount.
+    """
+    check_keys(raw, BUDGET_KEYS, f"{path}.", file, line)
+    schedule = read_schedule(raw, path, file)
+    given = [k for k in ("ratio", "tokens") if k in raw]
+    if rule and not given and schedule is not None:
+        slack = raw.get("slack", DEFAULTS["budget", "slack"])
+        if not (type_ok(slack, int) and slack >= 0):
+            raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+        return Budget(slack=slack), "slack" in raw, schedule
+    if len(given) != 1:
+        problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
+        raise recipe_error(file, line_of(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
+    ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", DEFAULTS["budget", "slack"])
+    if ratio is not None and not (type_ok(ratio, float) and 0 < ratio <= 1):
+        raise recipe_error(file, line_of(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {ratio!r}",
+                           "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
+    if tokens is not None and not (type_ok(tokens, int) and tokens >= 1):
+        raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {tokens!r}")
+    if not (type_ok(slack, int) and slack >= 0):
+        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw, schedule

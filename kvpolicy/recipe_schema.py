@@ -1,0 +1,88 @@
+"""The recipe schema, declared once: every key with its kind, default and meaning.
+
+The validator (`kvpolicy.recipe`, `kvpolicy.recipe_budgets`) reads the names and defaults from here, and
+`kvpolicy.commands.docgen` all of it, for the recipe reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .plan import BACKEND_NAMES
+
+SCHEMA_VERSION = 1
+REQUIRED = "(required)"  # the default of a key that has none
+
+
+@dataclass(frozen=True)
+class Key:
+    """One recipe key: the validator reads its name and default from here, the docs all of it."""
+
+    name: str
+    kind: str  # what the value is, in words
+    default: Any  # what the validator uses when the key is absent (or REQUIRED)
+    doc: str
+    default_doc: str = ""  # the default in words, when it is not a plain value
+
+
+SELECTOR = 'an index (3, "-1"), a range ("0-1", "2-"), a list ("0,2,5-7" or [0, 2]) or "all"'
+#: Layer budget schedules (the ``schedule`` budget key) and what each does with a mean budget b.
+SCHEDULE_DOCS = {
+    "uniform": "every layer gets b",
+    "pyramid": "falls linearly with depth, from 2b - b/beta at the lowest layer to b/beta at the top (PyramidKV)",
+    "funnel": "the mirror of pyramid: rises with depth (Scissorhands: later layers need more)",
+}
+SCHEDULES = tuple(SCHEDULE_DOCS)
+
+#: The recipe schema (version SCHEMA_VERSION): top-level keys, layer/head rule keys, budget keys.
+TOP_LEVEL = (
+    Key("kvpolicy", "integer", REQUIRED, f"schema version; this kvpolicy reads {SCHEMA_VERSION}"),
+    Key("name", "string", None, "the recipe's name in plans, tables and plots", "the file name without .yaml"),
+    Key("description", "string", "", "one line shown by `kvpolicy recipes` and `kvpolicy validate`"),
+    Key("budget", "budget mapping", None, "tokens each (layer, KV head) keeps; see the budget keys",
+        "none: unbounded (only `full` may run without a budget)"),
+    Key("policy", "policy name", "full", "the policy of every layer and KV head that no rule changes"),
+    Key("params", "mapping", {}, "parameters of `policy` (see the policy's parameters); omitted ones take "
+        "their defaults"),
+    Key("backend", f"one of {', '.join(BACKEND_NAMES)}", "auto", "attention backend for statistics: `auto` picks "
+        "triton on CUDA and torch elsewhere; $KVPOLICY_BACKEND overrides it"),
+    Key("layers", "list of layer rules", [], "per-layer changes, applied in order (later rules win)"),
+    Key("heads", "list of head rules", [], "per-KV-head changes, applied after every layer rule"),
+)
+_RULE_POLICY = Key("policy", "policy name", None, "switch these cells to another policy (its params start from "
+                   "its defaults)", "keep the current policy")
+_RULE_PARAMS = Key("params", "mapping", None, "parameters, over the current ones when the policy is unchanged, "
+                   "over the new policy's defaults when `policy` switches it", "keep the current params")
+_RULE_BUDGET = Key("budget", "budget mapping", None, "a budget of their own for these cells; may give only a "
+                   "schedule, which then spreads the top-level amount over the rule's layers",
+                   "keep the current budget")
+RULES = {
+    "layers": (
+        Key("layers", "layer selector", REQUIRED, f"the layers the rule applies to: {SELECTOR}"),
+        _RULE_POLICY, _RULE_PARAMS, _RULE_BUDGET,
+    ),
+    "heads": (
+        Key("layers", "layer selector", "all", f"the layers: {SELECTOR}"),
+        Key("heads", "KV head selector", REQUIRED, f"the KV heads of those layers: {SELECTOR}"),
+        _RULE_POLICY, _RULE_PARAMS, _RULE_BUDGET,
+    ),
+}
+BUDGET = (
+    Key("ratio", "number in (0, 1]", None, "share of each row's prompt (its real tokens) to keep; give exactly "
+        "one of ratio and tokens", "required: one of ratio, tokens"),
+    Key("tokens", "integer >= 1", None, "tokens to keep; give exactly one of ratio and tokens",
+        "required: one of ratio, tokens"),
+    Key("slack", "integer >= 0", 0, "tokens a head may go over budget before one compaction drops them all "
+        "(amortized eviction: fewer compactions, up to `slack` tokens more memory)"),
+    Key("schedule", f"one of {', '.join(SCHEDULES)}", "uniform", "how the budget is spread over the layers "
+        "that use it; the mean layer budget stays the budget"),
+    Key("beta", "number >= 1", 20.0, "steepness of pyramid and funnel: the smallest layer budget is "
+        "budget/beta"),
+    Key("per_layer", "list of positive numbers", None, "one multiplier per layer that uses this budget, in "
+        "depth order, averaging 1; excludes `schedule`"),
+)
+TOP_KEYS = tuple(key.name for key in TOP_LEVEL)
+RULE_KEYS = {kind: tuple(key.name for key in keys) for kind, keys in RULES.items()}
+BUDGET_KEYS = tuple(key.name for key in BUDGET)
+DEFAULTS = {("top", k.name): k.default for k in TOP_LEVEL} | {("budget", k.name): k.default for k in BUDGET}
