@@ -13,12 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from .errors import KVPolicyError, RecipeError, did_you_mean
 from .plan import BACKEND_NAMES, BY_POLICY, UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
 from .recipe_budgets import Schedule, budget_amount, read_budget, scale_budget
-from .recipe_checks import LineLoader, build_params, check_keys, line_of, recipe_error
+from .recipe_checks import build_params, check_keys, line_of, quote, read_yaml, recipe_error
 from .recipe_schema import DEFAULTS, RULE_KEYS, RULES, SCHEMA_VERSION, TOP_KEYS
 from .recipe_selectors import Selector, read_selector, spans_text
 from .registry import Registry, get_registry
@@ -153,34 +151,27 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
     else:
         path, label = _find(source)
         file, stem = str(path), path.stem
-        try:
-            data = yaml.load(path.read_text(encoding="utf-8"), Loader=LineLoader)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            problem = " ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
-            raise recipe_error(file, mark.line + 1 if mark else None, "YAML", f"invalid YAML: {problem or exc}",
-                               "Check the indentation, colons and quotes around this line") from None
-        except OSError as exc:
-            raise RecipeError(f"{file}: cannot read recipe: {exc}") from None
+        data = read_yaml(path)
     if not isinstance(data, dict):
         raise recipe_error(file, line_of(data), "recipe", f"the top level must be a mapping, got {type(data).__name__}",
                            f"Start the file with `kvpolicy: {SCHEMA_VERSION}` and the recipe's keys")
     check_keys(data, TOP_KEYS, "", file)
-    if data.get("kvpolicy") != SCHEMA_VERSION:
-        problem = "missing schema version" if "kvpolicy" not in data else f"unsupported schema version {data['kvpolicy']!r}"
+    version = data.get("kvpolicy")
+    if type(version) is not int or version != SCHEMA_VERSION:  # `true` is no version, though True == 1
+        problem = "missing schema version" if "kvpolicy" not in data else f"unsupported schema version {quote(version)}"
         raise recipe_error(file, line_of(data, "kvpolicy"), "kvpolicy", problem,
                            f"This kvpolicy reads schema version {SCHEMA_VERSION}: write `kvpolicy: {SCHEMA_VERSION}`")
     for key in ("name", "description"):
         if key in data and not isinstance(data[key], str):
-            raise recipe_error(file, line_of(data, key), key, f"expected a string, got {data[key]!r}")
+            raise recipe_error(file, line_of(data, key), key, f"expected a string, got {quote(data[key])}")
     backend = data.get("backend", DEFAULTS["top", "backend"])
     if backend not in BACKEND_NAMES:
-        raise recipe_error(file, line_of(data, "backend"), "backend", f"unknown backend {backend!r}"
+        raise recipe_error(file, line_of(data, "backend"), "backend", f"unknown backend {quote(backend)}"
                            f"{did_you_mean(str(backend), BACKEND_NAMES)}", f"Use one of: {', '.join(BACKEND_NAMES)}")
 
     def policy(raw: Any, path: str, line: int | None) -> Any:
         if not isinstance(raw, str):
-            raise recipe_error(file, line, path, f"expected a policy name, got {raw!r}", f"Available: {', '.join(registry.names())}")
+            raise recipe_error(file, line, path, f"expected a policy name, got {quote(raw)}", f"Available: {', '.join(registry.names())}")
         try:
             return registry.get(raw)
         except KVPolicyError as exc:
@@ -194,7 +185,7 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
     for kind in ("layers", "heads"):
         raw_rules = data.get(kind) or []
         if not isinstance(raw_rules, list):
-            raise recipe_error(file, line_of(data, kind), kind, f"expected a list of rules, got {raw_rules!r}",
+            raise recipe_error(file, line_of(data, kind), kind, f"expected a list of rules, got {quote(raw_rules)}",
                                f'E.g. {kind}: [{{layers: "0-1", policy: full}}]')
         for index, raw in enumerate(raw_rules):
             path = f"{kind}[{index}]"

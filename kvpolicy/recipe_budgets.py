@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import did_you_mean
 from .plan import Budget
-from .recipe_checks import check_keys, line_of, recipe_error, type_ok
+from .recipe_checks import check_keys, line_of, number_hint, quote, recipe_error, type_ok
 from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES
 
 
@@ -72,22 +72,22 @@ def read_schedule(raw: Any, path: str, file: str) -> Schedule | None:
         return None
     kind, line = raw.get("schedule", DEFAULTS["budget", "schedule"]), line_of(raw)
     if kind not in SCHEDULES:
-        raise recipe_error(file, line_of(raw, "schedule"), f"{path}.schedule", f"unknown schedule {kind!r}"
+        raise recipe_error(file, line_of(raw, "schedule"), f"{path}.schedule", f"unknown schedule {quote(kind)}"
                            f"{did_you_mean(str(kind), SCHEDULES)}", f"Use one of: {', '.join(SCHEDULES)}, or per_layer: [...]")
     beta = raw.get("beta", DEFAULTS["budget", "beta"])
     if "beta" in raw and kind not in ("pyramid", "funnel"):
         raise recipe_error(file, line_of(raw, "beta"), f"{path}.beta", f"beta only applies to schedule pyramid or funnel, "
                            f"not {kind}", "E.g. budget: {ratio: 0.2, schedule: pyramid, beta: 20}")
     if not (type_ok(beta, float) and beta >= 1):
-        raise recipe_error(file, line_of(raw, "beta"), f"{path}.beta", f"must be a number >= 1, got {beta!r}",
-                           "The top layer gets budget/beta and the bottom one 2*budget - budget/beta (PyramidKV: 20)")
+        raise recipe_error(file, line_of(raw, "beta"), f"{path}.beta", f"must be a number >= 1, got {quote(beta)}",
+                           number_hint(beta) or "The top layer gets budget/beta and the bottom one 2*budget - budget/beta (PyramidKV: 20)")
     per_layer = raw.get("per_layer")
     if per_layer is not None:
         where = (file, line_of(raw, "per_layer"), f"{path}.per_layer")
         if kind != "uniform":
             raise recipe_error(*where, f"per_layer and schedule: {kind} exclude each other", "Give one of them")
         if not (isinstance(per_layer, list) and per_layer and all(type_ok(m, float) and m > 0 for m in per_layer)):
-            raise recipe_error(*where, f"expected a list of positive multipliers, got {per_layer!r}",
+            raise recipe_error(*where, f"expected a list of positive multipliers, got {quote(per_layer)}",
                                "E.g. per_layer: [1.5, 1.0, 0.5]: layer budgets as multiples of the budget, averaging 1")
         average = sum(per_layer) / len(per_layer)
         if abs(average - 1.0) > 1e-6:
@@ -109,17 +109,20 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
     if rule and not given and schedule is not None:
         slack = raw.get("slack", DEFAULTS["budget", "slack"])
         if not (type_ok(slack, int) and slack >= 0):
-            raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+            raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {quote(slack)}",
+                               number_hint(slack))
         return Budget(slack=slack), "slack" in raw, schedule
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
         raise recipe_error(file, line_of(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
     ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", DEFAULTS["budget", "slack"])
     if ratio is not None and not (type_ok(ratio, float) and 0 < ratio <= 1):
-        raise recipe_error(file, line_of(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {ratio!r}",
-                           "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
+        raise recipe_error(file, line_of(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {quote(ratio)}",
+                           number_hint(ratio) or "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
     if tokens is not None and not (type_ok(tokens, int) and tokens >= 1):
-        raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {tokens!r}")
+        raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {quote(tokens)}",
+                           number_hint(tokens))
     if not (type_ok(slack, int) and slack >= 0):
-        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {slack!r}")
+        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {quote(slack)}",
+                           number_hint(slack))
     return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw, schedule

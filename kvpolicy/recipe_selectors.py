@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .recipe_checks import recipe_error
+from .recipe_checks import quote, recipe_error
 from .recipe_schema import SELECTOR
 
 
@@ -44,7 +44,7 @@ def read_selector(value: Any, path: str, file: str, line: int | None) -> Selecto
             elif m and (not m[2] or int(m[1]) <= int(m[2])):
                 spans.append((int(m[1]), int(m[2]) if m[2] else -1))
             else:
-                raise recipe_error(file, line, path, f"cannot read selector {part!r}", f"Use {SELECTOR}")
+                raise recipe_error(file, line, path, f"cannot read selector {quote(part)}", f"Use {SELECTOR}")
     if not spans:
         raise recipe_error(file, line, path, "empty selector", 'Use an index, a range, a list or "all"')
     return Selector(repr(value), tuple(spans))
