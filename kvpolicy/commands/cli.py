@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -12,7 +13,7 @@ from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
-from .common import parse_budget, read_text
+from .common import MAX_TOKENS, THREADS, ArgumentParser, count, parse_budget, read_text
 from .compare import add_compare_arguments, run_compare
 from .profile import params_from_args, profile_model, runtime_recipe
 
@@ -140,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
+    parser = ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a recipe and print the KV memory report")
@@ -150,15 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="a file holding the prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=count(1), default=128, help="tokens to generate (default: 128)")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
 
     val = sub.add_parser("validate", help="check a recipe and print its plan per layer and head")
     val.add_argument("file", help="recipe file or built-in name")
     val.add_argument("--model", help="local Hugging Face folder whose shape to validate against (default: SmolLM2-135M)")
-    val.add_argument("--layers", type=int, help="number of decoder layers")
-    val.add_argument("--kv-heads", type=int, help="number of KV heads per layer")
+    val.add_argument("--layers", type=count(1, 1024), help="number of decoder layers")
+    val.add_argument("--kv-heads", type=count(1, 1024), help="number of KV heads per layer")
     val.set_defaults(func=cmd_validate)
 
     prof = sub.add_parser("profile", help="FastGen: profile each head's pattern on a prompt, write a recipe")
@@ -173,12 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--frequency-ratio", type=float, help="r_f, the frequent tokens' share of the length (default: 0.3)")
     prof.add_argument("--recovery", choices=["mass", "l1"], help="how recovery is measured (default: mass)")
     prof.add_argument("--gqa", choices=["min", "mean"], help="how a KV head's query heads combine (default: min)")
-    prof.add_argument("--sinks", type=int, help="count the first N tokens as special tokens (default: 0)")
+    prof.add_argument("--sinks", type=count(0), help="count the first N tokens as special tokens (default: 0)")
     prof.add_argument("--candidates", nargs="+", metavar="PATTERN",
                       help="patterns to try, e.g. special special+punct ... full (default: the paper's five)")
-    prof.add_argument("--tokens", type=int, help="profile only the first N tokens of the prompt")
+    prof.add_argument("--tokens", type=count(1), help="profile only the first N tokens of the prompt")
     prof.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    prof.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    prof.add_argument("--threads", type=THREADS, help="torch threads (default: torch's choice)")
     prof.set_defaults(func=cmd_profile)
 
     sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
@@ -191,12 +192,36 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="throughput under a KV memory cap, or memory over a long stream")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+    _bound_numbers(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _bound_numbers(parser: argparse.ArgumentParser) -> None:
+    """Every plain ``int`` or ``float`` argument of every command, bounded: whole numbers within +-MAX_TOKENS,
+    finite numbers (no inf, nan). A command's own checks (least values) still run after."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _bound_numbers(sub)
+        elif action.type is int:
+            action.type = count(-MAX_TOKENS, MAX_TOKENS)
+        elif action.type is float:
+            action.type = _finite
+
+
+def _finite(text: str) -> float:
     try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or abs(value) > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number (not inf or nan) of at most {MAX_TOKENS}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
         args.func(args)
     except KVPolicyError as error:
         print(f"kvpolicy: error: {error}", file=sys.stderr)
