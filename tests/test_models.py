@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpolicy.hf import models
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.hf import models
 from kvpolicy.hf.models import default_cache_dir, load_model, model_aliases
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"

@@ -13,7 +13,7 @@ from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
-from .common import MAX_TOKENS, THREADS, ArgumentParser, count, parse_budget, read_text
+from .common import MAX_TOKENS, THREADS, ArgumentParser, count, parse_budget, quiet_torch, read_text
 from .compare import add_compare_arguments, run_compare
 from .profile import params_from_args, profile_model, runtime_recipe
 
@@ -22,15 +22,20 @@ DEFAULT_SHAPE = (30, 3)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
+    recipe = load_recipe(args.recipe)
+    if args.budget:
+        recipe = with_budget(recipe, parse_budget(args.budget))
+    with quiet_torch():  # bad input fails above, before transformers loads
+        _generate(args, text, recipe)
+
+
+def _generate(args: argparse.Namespace, text: str, recipe) -> None:
     import torch
 
     from ..hf.models import load_model
     from ..hf.session import attach
 
-    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
-    recipe = load_recipe(args.recipe)
-    if args.budget:
-        recipe = with_budget(recipe, parse_budget(args.budget))
     model, tokenizer = load_model(args.model)
     session = attach(model, recipe, tokenizer=tokenizer)
     if args.chat and getattr(tokenizer, "chat_template", None):
@@ -101,8 +106,11 @@ def _listed(value: object) -> list:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    import torch
+    with quiet_torch(args.threads):
+        _profile(args)
 
+
+def _profile(args: argparse.Namespace) -> None:
     from ..hf.models import load_model
 
     text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
@@ -116,8 +124,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat)["input_ids"][0]
     if args.tokens:
         ids = ids[: args.tokens]
-    if args.threads:
-        torch.set_num_threads(args.threads)
     source = Path(args.prompt_file).name if args.prompt_file else "the --prompt text"
     profile = profile_model(model, tokenizer, ids, source=source, model_name=args.model, **params)
     profile.command = shlex.join(["kvpolicy", "profile", "--model", args.model,

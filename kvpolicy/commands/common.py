@@ -148,16 +148,18 @@ def read_text(path: str | None = None, *, prompt: str | None = None, what: str =
 
 
 class quiet_torch:
-    """Fix torch's thread count and silence transformers' loading bars for a run; restore both after."""
+    """Fix torch's thread count (unless ``threads`` is None) and silence transformers' loading bars and notices for a
+    run, so that a command's stderr holds only its own lines; restore both after."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int | None = None):
         self.threads = threads
 
     def __enter__(self) -> None:
         from transformers.utils import logging
 
         self.saved = (torch.get_num_threads(), logging.get_verbosity(), logging.is_progress_bar_enabled())
-        torch.set_num_threads(self.threads)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         logging.set_verbosity_error()
         logging.disable_progress_bar()
 
@@ -189,10 +191,12 @@ def write_atomically(path: Path, text: str) -> None:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-    except OSError as error:
+    except BaseException as error:  # Ctrl-C included: leave no temporary file behind
         temporary.unlink(missing_ok=True)
-        raise KVPolicyError(f"cannot write {str(path)!r}: {error.strerror or error}; remove it or choose another --out") \
-            from None
+        if isinstance(error, OSError):
+            raise KVPolicyError(f"cannot write {str(path)!r}: {error.strerror or error}; remove it or choose another "
+                                "--out") from None
+        raise
 
 
 class OutputLock:
@@ -208,7 +212,7 @@ class OutputLock:
         self.held = False
 
     def __enter__(self) -> OutputLock:
-        mine = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')}\n"
+        mine = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')} {self.what}\n"
         for _ in range(5):
             try:
                 descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -226,7 +230,8 @@ class OutputLock:
 
     def _refuse_or_take_over(self) -> None:
         try:
-            pid_text, host, since = ([*self.path.read_text(encoding="utf-8", errors="replace").split(), "", "", ""])[:3]
+            fields = self.path.read_text(encoding="utf-8", errors="replace").split(maxsplit=3)
+            pid_text, host, since, holder = [*fields, "", "", "", ""][:4]
         except FileNotFoundError:
             return  # released meanwhile: try again
         except OSError as error:
@@ -234,7 +239,7 @@ class OutputLock:
         pid = int(pid_text) if pid_text.isdigit() else None
         if pid is not None and (host != socket.gethostname() or _running(pid)):
             raise KVPolicyError(
-                f"{str(self.path.parent)!r} is in use by another {self.what} (pid {pid} on {host}, since {since}): "
+                f"{str(self.path.parent)!r} is in use by another {holder.strip() or 'run'} (pid {pid} on {host}, since {since}): "
                 f"wait for it to finish or choose another --out; if that run is gone, delete {str(self.path)!r}"
             )
         stale = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")

@@ -19,13 +19,12 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
 from ..recipe import load_recipe, with_budget
 from ..registry import describe_failure, get_registry
-from ..tasks import Context, Row, Task, available_tasks
 from .common import (
     THREADS,
     OutputLock,
@@ -37,6 +36,9 @@ from .common import (
     require,
     write_atomically,
 )
+
+if TYPE_CHECKING:  # the tasks import transformers: loaded when a sweep runs, so that bad input fails fast
+    from ..tasks import Context, Row, Task
 
 DEFAULT_RECIPES = ["full", "window", "streaming", "h2o"]
 DEFAULT_BUDGETS = ["0.1", "0.2", "0.5"]
@@ -75,6 +77,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tasks(names: list[str]) -> list[Task]:
+    from ..tasks import available_tasks
+
     tasks = available_tasks()
     for name in names:
         if name not in tasks:
@@ -120,6 +124,7 @@ def _out_dir(path: str | None) -> Path:
 def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
     """The full baseline once, then every recipe that takes a budget at every budget (the others once)."""
     from ..hf.session import model_shape
+    from ..tasks import Row
 
     layers, heads = model_shape(model)
     rows = []
@@ -266,6 +271,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
     import torch
 
     from ..hf.models import load_model
+    from ..tasks import Context
 
     model, tokenizer = load_model(args.model)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -358,9 +364,9 @@ def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Contex
 
 
 def _budget_text(row: Row | dict) -> str:
-    budget = row.budget if isinstance(row, Row) else row["budget"]
+    budget = row["budget"] if isinstance(row, dict) else row.budget
     if budget is None:
-        evicts = row.evicts if isinstance(row, Row) else row.get("evicts", False)
+        evicts = row.get("evicts", False) if isinstance(row, dict) else row.evicts
         return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
     return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
 
