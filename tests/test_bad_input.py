@@ -121,6 +121,37 @@ def test_parse_budget_accepts_the_bounds():
     assert parse_budget("1").tokens == 1 and parse_budget("1.0").ratio == 1.0 and parse_budget("5.0").tokens == 5
 
 
+def test_model_folders_that_cannot_be_read_are_one_line(tiny, tmp_path, capsys):
+    """Every file a command reads: a broken config.json, a folder without weights, a config with -3 layers."""
+    broken, empty, negative = tmp_path / "broken", tmp_path / "no-weights", tmp_path / "negative"
+    for folder in (broken, empty, negative):
+        folder.mkdir()
+    (broken / "config.json").write_text("{")
+    (empty / "config.json").write_text(Path(tiny[0], "config.json").read_text())
+    config = json.loads(Path(tiny[0], "config.json").read_text())
+    (negative / "config.json").write_text(json.dumps({**config, "num_hidden_layers": -3}))
+    cases = [
+        (["validate", "h2o", "--model", str(broken)], "is not a valid JSON file"),
+        (["generate", "--model", str(empty), "--prompt", "hi"], "no file named model.safetensors"),
+        (["validate", "h2o", "--model", str(negative)], "num_hidden_layers = -3"),
+        (["generate", "--model", tiny[0], "--prompt-file", str(tmp_path)], "does not exist (or is not a file)"),
+    ]
+    for args, expected in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected in err[0], (args, err)
+    assert_one_line_error(run_cli(cases[0][0]), f"cannot load the model in {str(broken)!r}", "Hugging Face folder")
+
+
+def test_new_cache_refuses_a_prompt_length_that_is_not_one():
+    model = tiny_model("llama")
+    session = attach(model, uniform_plan(model, "h2o", Budget(ratio=0.5)))
+    for bad in (0, -5, 2**40, 3.5, True):
+        with pytest.raises(KVPolicyError, match="prompt_tokens"):
+            session.new_cache(prompt_tokens=bad)
+    session.detach()
+
+
 # --- an attached model without a kvpolicy cache -----------------------------------------------------------
 
 

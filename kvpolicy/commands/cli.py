@@ -64,9 +64,15 @@ def _model_shape(name: str) -> tuple[int, int]:
         raise KVPolicyError(f"--model {name!r} is neither a model alias ({aliases}) nor a local folder with a config.json")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(Path(resolved).expanduser(), local_files_only=True)
+    from ..hf.models import folder_errors
+    from ..hf.session import checked_shape
+
+    folder = Path(resolved).expanduser()
+    with folder_errors(folder):
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return checked_shape(getattr(config, "num_hidden_layers", None), heads, f"the model in {str(folder)!r}")
 
 
 def cmd_validate(args: argparse.Namespace) -> None:

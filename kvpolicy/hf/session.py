@@ -81,6 +81,9 @@ class Session:
         Raises KVPolicyError if the session is no longer attached (see `detach`).
         """
         self._check_attached("make a cache")
+        if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool)
+                                          or not 1 <= prompt_tokens <= 2**31 - 1):
+            raise KVPolicyError(f"prompt_tokens={prompt_tokens!r}: give the prompt's length, a whole number >= 1")
         plans = self.row_plans or [self.plan]
         layers = []
         for index in range(len(self.plan.layers)):
@@ -197,6 +200,14 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int]:
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
     if layers is None or heads is None:
         raise KVPolicyError(f"cannot tell the number of layers and KV heads of {type(model).__name__}")
+    return checked_shape(layers, heads, type(model).__name__)
+
+
+def checked_shape(layers: object, heads: object, what: str) -> tuple[int, int]:
+    """(layers, KV heads) of a model's config, each a whole number >= 1, or a KVPolicyError naming ``what``."""
+    for name, value in (("num_hidden_layers", layers), ("num_key_value_heads", heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KVPolicyError(f"{what} has {name} = {value!r} in its config: it must be a whole number >= 1")
     return layers, heads
 
 
