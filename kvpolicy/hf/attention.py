@@ -64,7 +64,11 @@ def kvpolicy_attention(
     query_valid = attention_mask[:, -queries:] if isinstance(attention_mask, torch.Tensor) else None
     if query_valid is not None and bool(query_valid.all()):
         query_valid = None
-    result = attend(query, layer.begin_call(query_valid, scaling, sliding_window))
+    try:
+        result = attend(query, layer.begin_call(query_valid, scaling, sliding_window))
+    except BaseException:
+        layer.abandon_call()  # a later call, of any model on this thread, must not find this layer waiting
+        raise
     layer.end_call(result.stats)
     return result.output, None
 

@@ -67,6 +67,10 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
         _active.layer = None
         super().end_call(stats)
 
+    def abandon_call(self) -> None:
+        """The attention call failed: stop announcing this layer (its cache refuses more tokens, see `update`)."""
+        _active.layer = None
+
     def get_seq_length(self) -> int:
         return self.slots_seen
 

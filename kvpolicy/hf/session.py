@@ -93,7 +93,8 @@ class Session:
             layers.append(CacheLayer(index, rows, groups, prompt_tokens, self.plan.backend, inv_freq))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
-        _install_hooks(self.model)
+        if self.last_cache.token_feed is not None:
+            _install_hooks(self.model)
         return self.last_cache
 
     def _inv_freq(self) -> torch.Tensor:
@@ -149,37 +150,27 @@ _HOOKS = "_kvpolicy_forward_hooks"
 
 
 def _install_hooks(model: PreTrainedModel) -> None:
-    """Forward hooks on ``model`` (once per model) for every call that brings a PolicyCache.
+    """Hooks on ``model`` that hand each forward pass's ``input_ids`` to its PolicyCache (once per model).
 
-    Before the call: refuse ``use_cache=False`` with a PolicyCache (the model would feed the
-    whole sequence to the cache at every step), and hand the call's ``input_ids`` to a cache
-    whose policies read token ids (FastGen). A call with ``inputs_embeds`` alone leaves such
-    a cache without ids, and the policy then says so. After the call, the ids are dropped.
+    Only sessions whose policies read token ids (FastGen) install them; calls with
+    ``inputs_embeds`` alone leave the cache without ids, and such a policy then says so.
     """
     if _HOOKS in model.__dict__:
         return
 
     def cache_of(kwargs: dict[str, Any]) -> PolicyCache | None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        return cache if isinstance(cache, PolicyCache) else None
+        return cache if isinstance(cache, PolicyCache) and cache.token_feed is not None else None
 
     def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = cache_of(kwargs)
-        if cache is None:
-            return
-        if kwargs.get("use_cache") is False:
-            raise KVPolicyError(
-                "the model was called with a kvpolicy cache and use_cache=False: without use_cache the model feeds "
-                "every token to the cache at every step; drop use_cache=False (or the cache, for plain attention "
-                "over every token)"
-            )
-        if cache.token_feed is not None:
+        if cache is not None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             cache.token_feed.ids = ids if isinstance(ids, torch.Tensor) else None
 
     def after(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = cache_of(kwargs)
-        if cache is not None and cache.token_feed is not None:
+        if cache is not None:
             cache.token_feed.ids = None  # never reused by a later call that brings none
 
     model.__dict__[_HOOKS] = (
