@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import time
@@ -13,7 +12,7 @@ from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
-from .common import MAX_TOKENS, THREADS, ArgumentParser, count, parse_budget, quiet_torch, read_text
+from .common import THREADS, ArgumentParser, bound_numbers, count, parse_budget, quiet_torch, read_text
 from .compare import add_compare_arguments, run_compare
 from .profile import params_from_args, profile_model, runtime_recipe
 
@@ -204,31 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="throughput under a KV memory cap, or memory over a long stream")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
-    _bound_numbers(parser)
+    bound_numbers(parser)
     return parser
-
-
-def _bound_numbers(parser: argparse.ArgumentParser) -> None:
-    """Every plain ``int`` or ``float`` argument of every command, bounded: whole numbers within +-MAX_TOKENS,
-    finite numbers (no inf, nan). A command's own checks (least values) still run after."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                _bound_numbers(sub)
-        elif action.type is int:
-            action.type = count(-MAX_TOKENS, MAX_TOKENS)
-        elif action.type is float:
-            action.type = _finite
-
-
-def _finite(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or abs(value) > MAX_TOKENS:
-        raise argparse.ArgumentTypeError(f"{text}: give a finite number (not inf or nan) of at most {MAX_TOKENS}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

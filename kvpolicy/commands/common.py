@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import math
 import os
 import socket
 import time
@@ -21,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import KVPolicyError
-from ..plan import Budget
+from ..plan import MAX_TOKENS, Budget
 
 # where each optional package comes from: its pip name and the extra that installs it
 OPTIONAL = {
@@ -51,10 +52,6 @@ def pyplot() -> ModuleType:
     """``matplotlib.pyplot`` on the Agg backend (files only, no display); see `require` for a missing matplotlib."""
     require("matplotlib").use("Agg")
     return require("matplotlib.pyplot")
-
-
-#: the largest token count a command accepts anywhere (budgets, lengths, counts): beyond it tensors overflow
-MAX_TOKENS = 2**31 - 1
 
 
 def parse_budget(text: str) -> Budget:
@@ -99,25 +96,32 @@ def count(least: int = 1, most: int = MAX_TOKENS) -> Callable[[str], int]:
     return parse
 
 
-def fraction(low: float, high: float, *, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse ``type``: a finite number in [low, high] (or (low, high] with ``low_open``)."""
-    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number (give one in {interval})") from None
-        if not (low < value if low_open else low <= value) or not value <= high:  # false for nan
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give a number in {interval}")
-        return value
-
-    parse.__name__ = "number"
-    return parse
-
-
 #: torch threads: at least one, and never more than a machine could have
 THREADS = count(1, 4096)
+
+
+def bound_numbers(parser: argparse.ArgumentParser) -> None:
+    """Every plain ``int`` or ``float`` argument of every command, bounded: whole numbers within +-MAX_TOKENS,
+    finite numbers (no inf, nan). A command's own checks (least values) still run after."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                bound_numbers(sub)
+        elif action.type is int:
+            action.type = count(-MAX_TOKENS, MAX_TOKENS)
+        elif action.type is float:
+            action.type = finite
+
+
+def finite(text: str) -> float:
+    """An argparse ``type``: a finite number (no inf, nan) within +-MAX_TOKENS."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or abs(value) > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number (not inf or nan) of at most {MAX_TOKENS}")
+    return value
 
 
 DEFAULT_TEXT = "pydoc_data.topics"

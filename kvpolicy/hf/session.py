@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 
 from ..backend.select import select_backend
 from ..errors import KVPolicyError
-from ..plan import Plan
+from ..plan import MAX_TOKENS, Plan
 from ..policies.base import Policy
 from ..policy_calls import call_policy, group_cells
 from ..recipe import Recipe, load_recipe
@@ -82,7 +82,7 @@ class Session:
         """
         self._check_attached("make a cache")
         if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool)
-                                          or not 1 <= prompt_tokens <= 2**31 - 1):
+                                          or not 1 <= prompt_tokens <= MAX_TOKENS):
             raise KVPolicyError(f"prompt_tokens={prompt_tokens!r}: give the prompt's length, a whole number >= 1")
         plans = self.row_plans or [self.plan]
         layers = []
