@@ -155,11 +155,20 @@ def test_new_cache_refuses_a_prompt_length_that_is_not_one():
 # --- an attached model without a kvpolicy cache -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+def sliding_window_mistral() -> torch.nn.Module:
+    from tiny_models import COMMON
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(**COMMON, num_attention_heads=8, num_key_value_heads=2, sliding_window=5)
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "mistral-window"])
 def test_attached_model_without_a_policy_cache_is_plain_transformers(arch, monkeypatch):
     """model(**inputs), use_cache=False and model.generate without cache=: what the model gives under SDPA (left-padded
-    batch included), with one warning."""
-    model = tiny_model(arch)
+    batch and a sliding window included), with one warning."""
+    model = sliding_window_mistral() if arch == "mistral-window" else tiny_model(arch)
     ids, mask = padded_batch()
     real = mask.bool()
     model.set_attn_implementation("sdpa")
