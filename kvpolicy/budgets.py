@@ -15,7 +15,7 @@ import torch
 from .errors import KVPolicyError
 from .plan import LayerPlan
 from .policies.base import TokenView
-from .policy_calls import PolicyGroup, checked
+from .policy_calls import PolicyGroup, call_policy, checked
 from .storage.base import headroom
 
 StateOf = Callable[[PolicyGroup], dict[str, torch.Tensor]]
@@ -77,8 +77,8 @@ class CellBudgets:
         """Limits of the cells whose policies set them (FastGen), asked again at every eviction."""
         limits = self.limits
         for group in self.dynamic:
-            given = checked(group.policy, "returned budgets", group.policy.budgets(state_of(group), view),
-                            limits.shape, "batch, kv_heads")
+            given = call_policy(group.policy, "budgets", group.policy.budgets, state_of(group), view)
+            given = checked(group.policy, "returned budgets", given, limits.shape, "batch, kv_heads")
             limits = torch.where(group.cells.to(limits.device), given.to(limits).clamp(min=0), limits)
         self.limits = limits
 
@@ -101,8 +101,8 @@ class CellBudgets:
             if not bool(rows.any()):
                 continue
             chosen = cells & rows[:, None]
-            given = checked(group.policy, "allocated budgets", group.policy.allocate(state_of(group), view, chosen),
-                            chosen.shape, "batch, kv_heads")
+            given = call_policy(group.policy, "allocate", group.policy.allocate, state_of(group), view, chosen)
+            given = checked(group.policy, "allocated budgets", given, chosen.shape, "batch, kv_heads")
             limits = torch.where(chosen, given.to(limits).clamp(min=0), limits)
             self.allocated |= chosen
         self.limits = limits

@@ -26,7 +26,7 @@ from .errors import KVPolicyError
 from .memory_report import layer_memory
 from .plan import LayerPlan
 from .policies.base import AttentionStats, TokenView
-from .policy_calls import NaNCheck, PolicyGroup, checked, stats_for
+from .policy_calls import NaNCheck, PolicyGroup, call_policy, checked, stats_for
 from .rotary import in_cache_deltas, rotate
 from .storage.base import KVStore, storage_bytes
 from .storage.dense import DenseStore
@@ -183,12 +183,13 @@ class PolicyLayer:
         if not self.profiled:
             view = self.token_view()
             for group in self.profiling:
-                group.policy.profile(self.group_state(group), stats, view)
+                call_policy(group.policy, "profile", group.policy.profile, self.group_state(group), stats, view)
             self.profiled = True
         if stats is not None:
             for group in self.groups:
                 if group.policy.needs:
-                    group.policy.observe(self.group_state(group), stats_for(group.policy, stats))
+                    call_policy(group.policy, "observe", group.policy.observe, self.group_state(group),
+                                stats_for(group.policy, stats))
         self.pending = None
         self.store.end_pass()
         self._evict()
@@ -212,7 +213,7 @@ class PolicyLayer:
         view = self.token_view()
         scores = None
         for group in self.groups:
-            given = group.policy.score(self.group_state(group), view)
+            given = call_policy(group.policy, "score", group.policy.score, self.group_state(group), view)
             group_scores = checked(group.policy, "returned scores", given, view.valid.shape,
                                    "batch, kv_heads, slots").float()
             self._nan_check.note(group.policy, group_scores)
@@ -267,7 +268,7 @@ class PolicyLayer:
         batch, heads = self.valid.shape[:2]
         labels = [[""] * heads for _ in range(batch)]
         for group in self.groups:
-            given = group.policy.cell_labels(self.group_state(group))
+            given = call_policy(group.policy, "cell_labels", group.policy.cell_labels, self.group_state(group))
             owned = group.cells.expand(batch, heads).tolist()
             for b in range(batch):
                 for h in range(heads):

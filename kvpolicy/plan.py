@@ -9,6 +9,9 @@ import torch
 
 #: The attention backends a recipe may name (``backend:``): ``auto`` picks Triton on CUDA, torch elsewhere.
 BACKEND_NAMES = ("auto", "torch", "triton")
+#: The largest token count kvpolicy takes anywhere a user gives one (budgets, lengths, counts): beyond it the
+#: int64 arithmetic on positions and slots could overflow, and no cache holds that many tokens.
+MAX_TOKENS = 2**31 - 1
 
 
 @dataclass(frozen=True)

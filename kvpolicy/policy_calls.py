@@ -7,12 +7,16 @@ bug in one gives an error naming it rather than silently evicting the wrong toke
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from .errors import KVPolicyError
 from .policies.base import AttentionStats, Policy
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -80,3 +84,36 @@ class NaNCheck:
     @staticmethod
     def _raise(name: str) -> None:
         raise KVPolicyError(f"policy {name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")
+
+
+def call_policy(policy: Policy | type[Policy], hook: str, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``function(*args, **kwargs)``, a policy's ``hook`` (``score``, ``observe``, ...); a failure names the policy.
+
+    A policy may be a third-party plugin: an exception it raises becomes a KVPolicyError
+    that says which policy and hook failed and why (the original is its ``__cause__``).
+    KVPolicyError passes through as it is; running out of memory is not the policy's fault
+    and passes through too.
+    """
+    try:
+        return function(*args, **kwargs)
+    except (KVPolicyError, MemoryError, torch.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        name = getattr(policy, "name", None) or getattr(policy, "__name__", repr(policy))
+        where = _source_of(policy)
+        raise KVPolicyError(
+            f"policy {name!r}{where} failed in {hook}: {type(exc).__name__}: {_short(exc)}; "
+            "this is a bug in the policy: fix it, or use another policy"
+        ) from exc
+
+
+def _source_of(policy: Policy | type[Policy]) -> str:
+    cls = policy if isinstance(policy, type) else type(policy)
+    module = getattr(cls, "__module__", "") or ""
+    return "" if module.startswith("kvpolicy.") else f" (from {module})"
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    """The first line of an exception's message, at most ``limit`` characters."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import sys
+import time
 from dataclasses import dataclass
 
 import pluggy
@@ -37,11 +39,14 @@ class Registry:
         for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
             dist = ep.dist
             source = f"plugin {dist.name} {dist.version}" if dist else f"plugin {ep.name}"
+            started = time.perf_counter()
             try:
                 module = ep.load()
-            except Exception as exc:  # a broken plugin must never take kvpolicy down
-                self.broken[ep.name] = f"import failed: {type(exc).__name__}: {exc}"
+            except PLUGIN_FAILURES as exc:  # a broken plugin must never take kvpolicy down
+                self.broken[ep.name] = f"import failed: {describe_failure(exc)}"
                 continue
+            finally:
+                _note_if_slow(ep.name, ep.value, time.perf_counter() - started)
             self._add_plugin(module, ep.name, source)
 
     def add_plugin(self, module: object, name: str, source: str | None = None) -> None:
@@ -52,18 +57,23 @@ class Registry:
         self._add_plugin(module, name, source or f"plugin {name}")
 
     def _add_plugin(self, module: object, name: str, source: str) -> None:
+        """Register ``module``'s hooks and policies, all or nothing: a plugin that fails midway leaves none behind."""
         try:
             self.manager.register(module, name=name)
             impls = [i for i in self.manager.hook.kvpolicy_register_policies.get_hookimpls() if i.plugin is module]
+            staged: dict[str, PolicyEntry] = {}
             for impl in impls:
                 for policy in impl.function() or []:
-                    self._add_policy(policy, source)
-        except Exception as exc:
-            self.broken[name] = f"registration failed: {type(exc).__name__}: {exc}"
+                    self._check_policy(policy, staged)
+                    staged[policy.name] = PolicyEntry(policy, source)
+        except PLUGIN_FAILURES as exc:
+            self.broken[name] = f"registration failed: {describe_failure(exc)}"
             if self.manager.is_registered(module):
                 self.manager.unregister(module)
+            return
+        self.policies.update(staged)
 
-    def _add_policy(self, policy: type[Policy], source: str) -> None:
+    def _check_policy(self, policy: type[Policy], staged: dict[str, PolicyEntry]) -> None:
         if not (isinstance(policy, type) and issubclass(policy, Policy)):
             raise TypeError(f"{policy!r} is not a kvpolicy.Policy subclass")
         if not policy.name:
@@ -71,9 +81,9 @@ class Registry:
         unknown = (set(policy.needs) | set(policy.profile_needs)) - STAT_NAMES
         if unknown:
             raise TypeError(f"{policy.name} needs unknown statistics {sorted(unknown)}; known: {sorted(STAT_NAMES)}")
-        if policy.name in self.policies:
-            raise TypeError(f"policy {policy.name!r} is already registered by {self.policies[policy.name].source}")
-        self.policies[policy.name] = PolicyEntry(policy, source)
+        for known in (self.policies, staged):
+            if policy.name in known:
+                raise TypeError(f"policy {policy.name!r} is already registered by {known[policy.name].source}")
 
     def get(self, name: str) -> type[Policy]:
         if name in self.policies:
@@ -103,8 +113,8 @@ class Registry:
                     isinstance(k, str) and isinstance(v, (str, os.PathLike)) for k, v in found.items()
                 ):
                     raise TypeError(f"expected a dict of alias -> folder or alias, got {found!r}")
-            except Exception as exc:  # a broken plugin must never take kvpolicy down
-                self.broken[plugin] = f"model aliases failed: {type(exc).__name__}: {exc}"
+            except PLUGIN_FAILURES as exc:  # a broken plugin must never take kvpolicy down
+                self.broken[plugin] = f"model aliases failed: {describe_failure(exc)}"
                 continue
             for alias, target in found.items():
                 key = alias.lower()
@@ -113,6 +123,27 @@ class Registry:
                     continue
                 aliases[key] = (os.fspath(target), plugin)
         return aliases
+
+
+#: what a plugin's code may raise without taking kvpolicy down: any exception, and `sys.exit()` (SystemExit);
+#: Ctrl-C (KeyboardInterrupt) still stops the command
+PLUGIN_FAILURES = (Exception, SystemExit)
+#: a plugin whose import takes longer than this many seconds is named on stderr (it delays every command)
+SLOW_IMPORT_S = 2.0
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for what a plugin raised (a SystemExit says so)."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:300]}"
+
+
+def _note_if_slow(name: str, target: str, seconds: float) -> None:
+    if seconds > SLOW_IMPORT_S:
+        print(f"kvpolicy: note: plugin {name!r} ({target}) took {seconds:.1f} s to import, which delays every "
+              "kvpolicy command; uninstall it if it is not needed", file=sys.stderr)
 
 
 _default: Registry | None = None

@@ -164,7 +164,7 @@ def test_json_output(tiny, tmp_path, capsys):
         (["--budgets", "abc"], "not a number"),
         (["--budgets", "1.5"], "ratio in (0, 1]"),
         (["--budgets", "0"], "ratio in (0, 1]"),
-        (["--tokens", "2"], "--tokens 2"),
+        (["--tokens", "2"], "argument --tokens: 2 is out of range"),
         (["--tokens", "100000"], "too short"),
     ],
 )

@@ -12,7 +12,7 @@ from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
-from .common import parse_budget, read_text
+from .common import THREADS, ArgumentParser, bound_numbers, count, parse_budget, quiet_torch, read_text
 from .compare import add_compare_arguments, run_compare
 from .profile import params_from_args, profile_model, runtime_recipe
 
@@ -21,15 +21,20 @@ DEFAULT_SHAPE = (30, 3)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
+    recipe = load_recipe(args.recipe)
+    if args.budget:
+        recipe = with_budget(recipe, parse_budget(args.budget))
+    with quiet_torch():  # bad input fails above, before transformers loads
+        _generate(args, text, recipe)
+
+
+def _generate(args: argparse.Namespace, text: str, recipe) -> None:
     import torch
 
     from ..hf.models import load_model
     from ..hf.session import attach
 
-    text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
-    recipe = load_recipe(args.recipe)
-    if args.budget:
-        recipe = with_budget(recipe, parse_budget(args.budget))
     model, tokenizer = load_model(args.model)
     session = attach(model, recipe, tokenizer=tokenizer)
     if args.chat and getattr(tokenizer, "chat_template", None):
@@ -58,9 +63,15 @@ def _model_shape(name: str) -> tuple[int, int]:
         raise KVPolicyError(f"--model {name!r} is neither a model alias ({aliases}) nor a local folder with a config.json")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(Path(resolved).expanduser(), local_files_only=True)
+    from ..hf.models import folder_errors
+    from ..hf.session import checked_shape
+
+    folder = Path(resolved).expanduser()
+    with folder_errors(folder):
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    return checked_shape(getattr(config, "num_hidden_layers", None), heads, f"the model in {str(folder)!r}")
 
 
 def cmd_validate(args: argparse.Namespace) -> None:
@@ -100,8 +111,11 @@ def _listed(value: object) -> list:
 
 
 def cmd_profile(args: argparse.Namespace) -> None:
-    import torch
+    with quiet_torch(args.threads):
+        _profile(args)
 
+
+def _profile(args: argparse.Namespace) -> None:
     from ..hf.models import load_model
 
     text, _ = read_text(args.prompt_file, prompt=args.prompt, what="prompt file")
@@ -115,8 +129,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat)["input_ids"][0]
     if args.tokens:
         ids = ids[: args.tokens]
-    if args.threads:
-        torch.set_num_threads(args.threads)
     source = Path(args.prompt_file).name if args.prompt_file else "the --prompt text"
     profile = profile_model(model, tokenizer, ids, source=source, model_name=args.model, **params)
     profile.command = shlex.join(["kvpolicy", "profile", "--model", args.model,
@@ -140,7 +152,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
+    parser = ArgumentParser(prog="kvpolicy", description="KV-cache eviction policies for transformers models")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a recipe and print the KV memory report")
@@ -150,15 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the prompt text")
     source.add_argument("--prompt-file", help="a file holding the prompt")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=count(1), default=128, help="tokens to generate (default: 128)")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     gen.set_defaults(func=cmd_generate)
 
     val = sub.add_parser("validate", help="check a recipe and print its plan per layer and head")
     val.add_argument("file", help="recipe file or built-in name")
     val.add_argument("--model", help="local Hugging Face folder whose shape to validate against (default: SmolLM2-135M)")
-    val.add_argument("--layers", type=int, help="number of decoder layers")
-    val.add_argument("--kv-heads", type=int, help="number of KV heads per layer")
+    val.add_argument("--layers", type=count(1, 1024), help="number of decoder layers")
+    val.add_argument("--kv-heads", type=count(1, 1024), help="number of KV heads per layer")
     val.set_defaults(func=cmd_validate)
 
     prof = sub.add_parser("profile", help="FastGen: profile each head's pattern on a prompt, write a recipe")
@@ -173,12 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--frequency-ratio", type=float, help="r_f, the frequent tokens' share of the length (default: 0.3)")
     prof.add_argument("--recovery", choices=["mass", "l1"], help="how recovery is measured (default: mass)")
     prof.add_argument("--gqa", choices=["min", "mean"], help="how a KV head's query heads combine (default: min)")
-    prof.add_argument("--sinks", type=int, help="count the first N tokens as special tokens (default: 0)")
+    prof.add_argument("--sinks", type=count(0), help="count the first N tokens as special tokens (default: 0)")
     prof.add_argument("--candidates", nargs="+", metavar="PATTERN",
                       help="patterns to try, e.g. special special+punct ... full (default: the paper's five)")
-    prof.add_argument("--tokens", type=int, help="profile only the first N tokens of the prompt")
+    prof.add_argument("--tokens", type=count(1), help="profile only the first N tokens of the prompt")
     prof.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    prof.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    prof.add_argument("--threads", type=THREADS, help="torch threads (default: torch's choice)")
     prof.set_defaults(func=cmd_profile)
 
     sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)
@@ -191,12 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="throughput under a KV memory cap, or memory over a long stream")
     add_bench_arguments(bench)
     bench.set_defaults(func=cmd_bench)
+    bound_numbers(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         args.func(args)
     except KVPolicyError as error:
         print(f"kvpolicy: error: {error}", file=sys.stderr)

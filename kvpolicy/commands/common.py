@@ -7,15 +7,22 @@ commands import one way only.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import importlib
+import math
+import os
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from ..errors import KVPolicyError
-from ..plan import Budget
+from ..plan import MAX_TOKENS, Budget
 
 # where each optional package comes from: its pip name and the extra that installs it
 OPTIONAL = {
@@ -49,15 +56,72 @@ def pyplot() -> ModuleType:
 
 def parse_budget(text: str) -> Budget:
     """'0.2' -> 20% of the prompt; '512' -> 512 tokens."""
+    fix = f"give a ratio in (0, 1] (e.g. 0.2) or a whole number of tokens from 1 to {MAX_TOKENS} (e.g. 512)"
     try:
         value = float(text)
     except ValueError:
-        raise KVPolicyError(f"budget {text!r} is not a number: give a ratio in (0, 1] or a token count >= 1") from None
-    if 0 < value <= 1 and not text.isdigit():
+        raise KVPolicyError(f"budget {text!r} is not a number: {fix}") from None
+    if 0 < value <= 1 and not text.strip().isdigit():
         return Budget(ratio=value)
-    if value >= 1 and value == int(value):
+    if 1 <= value <= MAX_TOKENS and value == int(value):  # false for inf and nan
         return Budget(tokens=int(value))
-    raise KVPolicyError(f"budget {text!r}: give a ratio in (0, 1] (e.g. 0.2) or a whole number of tokens (e.g. 512)")
+    raise KVPolicyError(f"budget {text!r}: {fix}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad argument raises `UsageError` (one line, exit status 2) instead of printing the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see `{self.prog} --help`")
+
+
+class UsageError(KVPolicyError):
+    """A command-line argument argparse refused (a missing value, an unknown flag, a number out of range)."""
+
+
+def count(least: int = 1, most: int = MAX_TOKENS) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``least`` to ``most``, else a one-line error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (give one from {least} to {most})") \
+                from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give a whole number from {least} to {most}")
+        return value
+
+    parse.__name__ = "count"  # what argparse calls the type in its messages
+    return parse
+
+
+#: torch threads: at least one, and never more than a machine could have
+THREADS = count(1, 4096)
+
+
+def bound_numbers(parser: argparse.ArgumentParser) -> None:
+    """Every plain ``int`` or ``float`` argument of every command, bounded: whole numbers within +-MAX_TOKENS,
+    finite numbers (no inf, nan). A command's own checks (least values) still run after."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                bound_numbers(sub)
+        elif action.type is int:
+            action.type = count(-MAX_TOKENS, MAX_TOKENS)
+        elif action.type is float:
+            action.type = finite
+
+
+def finite(text: str) -> float:
+    """An argparse ``type``: a finite number (no inf, nan) within +-MAX_TOKENS."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or abs(value) > MAX_TOKENS:
+        raise argparse.ArgumentTypeError(f"{text}: give a finite number (not inf or nan) of at most {MAX_TOKENS}")
+    return value
 
 
 DEFAULT_TEXT = "pydoc_data.topics"
@@ -88,16 +152,18 @@ def read_text(path: str | None = None, *, prompt: str | None = None, what: str =
 
 
 class quiet_torch:
-    """Fix torch's thread count and silence transformers' loading bars for a run; restore both after."""
+    """Fix torch's thread count (unless ``threads`` is None) and silence transformers' loading bars and notices for a
+    run, so that a command's stderr holds only its own lines; restore both after."""
 
-    def __init__(self, threads: int):
+    def __init__(self, threads: int | None = None):
         self.threads = threads
 
     def __enter__(self) -> None:
         from transformers.utils import logging
 
         self.saved = (torch.get_num_threads(), logging.get_verbosity(), logging.is_progress_bar_enabled())
-        torch.set_num_threads(self.threads)
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         logging.set_verbosity_error()
         logging.disable_progress_bar()
 
@@ -109,3 +175,105 @@ class quiet_torch:
         logging.set_verbosity(verbosity)
         if bars:
             logging.enable_progress_bar()
+
+
+# --- output files -------------------------------------------------------------------------------------
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, flushed, then renamed over it.
+
+    An interrupted run (Ctrl-C, SIGTERM, SIGKILL, a power cut after the rename) leaves either the old file or
+    the new one, never a cut-short line. A path that cannot be written raises KVPolicyError naming it.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "it is a folder", str(path))
+        with temporary.open("w", encoding="utf-8", newline="") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:  # Ctrl-C included: leave no temporary file behind
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise KVPolicyError(f"cannot write {str(path)!r}: {error.strerror or error}; remove it or choose another "
+                                "--out") from None
+        raise
+
+
+class OutputLock:
+    """A lock file in an output folder that holds the pid of the run writing there.
+
+    A second run into the same folder is refused with a message naming the first (its pid); a lock left by a
+    process that no longer runs (killed) is taken over. Use as a context manager; the lock goes on exit.
+    """
+
+    def __init__(self, folder: Path, what: str = "kvpolicy"):
+        self.path = folder / ".kvpolicy.lock"
+        self.what = what
+        self.held = False
+
+    def __enter__(self) -> OutputLock:
+        mine = f"{os.getpid()} {socket.gethostname()} {time.strftime('%Y-%m-%dT%H:%M:%S')} {self.what}\n"
+        for _ in range(5):
+            try:
+                descriptor = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._refuse_or_take_over()
+                continue
+            except OSError as error:
+                raise KVPolicyError(f"cannot create {str(self.path)!r}: {error.strerror or error}; choose another --out") \
+                    from None
+            with os.fdopen(descriptor, "w") as file:
+                file.write(mine)
+            self.held = True
+            return self
+        raise KVPolicyError(f"cannot take the lock {str(self.path)!r}: other runs keep taking it; choose another --out")
+
+    def _refuse_or_take_over(self) -> None:
+        try:
+            fields = self.path.read_text(encoding="utf-8", errors="replace").split(maxsplit=3)
+            pid_text, host, since, holder = [*fields, "", "", "", ""][:4]
+        except FileNotFoundError:
+            return  # released meanwhile: try again
+        except OSError as error:
+            raise KVPolicyError(f"cannot read the lock {str(self.path)!r}: {error.strerror or error}") from None
+        pid = int(pid_text) if pid_text.isdigit() else None
+        if pid is not None and (host != socket.gethostname() or _running(pid)):
+            raise KVPolicyError(
+                f"{str(self.path.parent)!r} is in use by another {holder.strip() or 'run'} (pid {pid} on {host}, since {since}): "
+                f"wait for it to finish or choose another --out; if that run is gone, delete {str(self.path)!r}"
+            )
+        stale = self.path.with_name(f"{self.path.name}.stale.{os.getpid()}")
+        try:  # only one of several runs that found the same stale lock gets to rename it
+            os.rename(self.path, stale)
+            stale.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            if self.path.read_text(encoding="utf-8").split()[0] == str(os.getpid()):
+                self.path.unlink()
+        except (OSError, IndexError):
+            pass
+
+
+def _running(pid: int) -> bool:
+    """True if a process ``pid`` exists on this machine (ours or another user's)."""
+    if pid == os.getpid() or os.name == "nt":  # Windows: os.kill would end it; take the lock as held
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True

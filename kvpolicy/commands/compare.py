@@ -12,20 +12,33 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import io
 import json
 import platform
 import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
 from ..recipe import load_recipe, with_budget
-from ..registry import get_registry
-from ..tasks import Context, Row, Task, available_tasks
-from .common import parse_budget, pyplot, quiet_torch, read_text, require
+from ..registry import describe_failure, get_registry
+from .common import (
+    THREADS,
+    OutputLock,
+    count,
+    parse_budget,
+    pyplot,
+    quiet_torch,
+    read_text,
+    require,
+    write_atomically,
+)
+
+if TYPE_CHECKING:  # the tasks import transformers: loaded when a sweep runs, so that bad input fails fast
+    from ..tasks import Context, Row, Task
 
 DEFAULT_RECIPES = ["full", "window", "streaming", "h2o"]
 DEFAULT_BUDGETS = ["0.1", "0.2", "0.5"]
@@ -45,16 +58,16 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add("--tasks", nargs="+", default=DEFAULT_TASKS, metavar="TASK",
         help=f"tasks to run (default: {' '.join(DEFAULT_TASKS)}; see kvpolicy/tasks)")
     add("--text-file", help="evaluation text (default: the pydoc topics that ship with CPython)")
-    add("--tokens", type=int, default=768,
+    add("--tokens", type=count(MIN_TOKENS), default=768,
         help="evaluation length: tokens scored by ppl; prompt length of memory and speed (default: 768)")
-    add("--prompt-tokens", type=int, default=400, help="prompt length of passkey and fidelity (default: 400)")
-    add("--trials", type=int, default=1,
+    add("--prompt-tokens", type=count(MIN_TOKENS), default=400, help="prompt length of passkey and fidelity (default: 400)")
+    add("--trials", type=count(1, 10_000), default=1,
         help="passkey prompts per depth (5 depths); fidelity uses 2 prompts per trial (default: 1)")
     add("--ppl-mode", choices=["token", "chunked"], default="token",
         help="token: one token per forward, as the StreamingLLM/H2O papers; chunked: 64 at a time, faster")
-    add("--threads", type=int, default=1,
+    add("--threads", type=THREADS, default=1,
         help="torch threads (default: 1, steady even when another process is busy; try 2 on an idle 2-core machine)")
-    add("--seed", type=int, default=0, help="seed for passkey keys and fidelity prompts (default: 0)")
+    add("--seed", type=count(0, 2**63 - 1), default=0, help="seed for passkey keys and fidelity prompts (default: 0)")
     add("--out", help="output folder (default: runs/compare-<timestamp>)")
     add("--force", action="store_true", help="recompute rows already in the output folder's results.jsonl")
     add("--json", action="store_true", help="print the results as JSON to stdout (the table goes to stderr)")
@@ -64,6 +77,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _tasks(names: list[str]) -> list[Task]:
+    from ..tasks import available_tasks
+
     tasks = available_tasks()
     for name in names:
         if name not in tasks:
@@ -94,22 +109,22 @@ def _recipes(sources: list[str]) -> list[tuple[str, Any]]:
 
 
 def _out_dir(path: str | None) -> Path:
+    """The output folder, created (it holds the lock of the run)."""
     out = Path(path) if path else Path("runs") / time.strftime("compare-%Y%m%d-%H%M%S")
     if out.exists() and not out.is_dir():
         raise KVPolicyError(f"--out {str(out)!r} is an existing file, not a folder: choose another path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KVPolicyError(f"cannot create --out {str(out)!r}: {error.strerror or error}; choose another path") \
+            from None
     return out
-
-
-def _check_sizes(args: argparse.Namespace) -> None:
-    for flag, value, least in (("--tokens", args.tokens, MIN_TOKENS), ("--prompt-tokens", args.prompt_tokens, MIN_TOKENS),
-                               ("--trials", args.trials, 1), ("--threads", args.threads, 1)):
-        if value < least:
-            raise KVPolicyError(f"{flag} {value}: must be at least {least}")
 
 
 def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, Any]]) -> list[Row]:
     """The full baseline once, then every recipe that takes a budget at every budget (the others once)."""
     from ..hf.session import model_shape
+    from ..tasks import Row
 
     layers, heads = model_shape(model)
     rows = []
@@ -137,31 +152,63 @@ def _fingerprint(model: str, text_sha: str, task: Task, settings: dict[str, Any]
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: what every row of results.jsonl must hold, and its type; a row without them is recomputed
+_ROW_FIELDS = {"key": str, "task": str, "recipe": str, "budget": (str, type(None))}
+
+
 def _load_results(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
+    """The readable rows of a results file. Lines that are not a JSON row with the fields of `_ROW_FIELDS` (a
+    line cut short by an older version's interrupted run, a bad byte, a missing field) are set aside in
+    ``results.jsonl.unreadable``, named on stderr, and their rows recomputed."""
+    if not path.exists():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    if not path.is_file():
+        raise KVPolicyError(f"{str(path)!r} is a folder (or not a file), so no results can be kept there: "
+                            "remove it or choose another --out")
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise KVPolicyError(f"cannot read {str(path)!r}: {error.strerror or error}; fix it or choose another --out") \
+            from None
+    rows, unreadable = [], []
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # a line cut short by an interrupted run: its row is recomputed
-    return [row for row in rows if isinstance(row, dict) and "key" in row]
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included
+            unreadable.append(line)
+            continue
+        if isinstance(row, dict) and all(isinstance(row.get(k), t) for k, t in _ROW_FIELDS.items()):
+            rows.append(row)
+        else:
+            unreadable.append(line)
+    if unreadable:
+        aside = path.with_name(path.name + ".unreadable")
+        try:
+            with aside.open("ab") as file:
+                file.write(b"".join(line + b"\n" for line in unreadable))
+        except OSError:
+            aside = None
+        print(f"kvpolicy: note: {len(unreadable)} unreadable line(s) of {path} "
+              f"{f'moved to {aside}' if aside else 'dropped'}; their rows are recomputed", file=sys.stderr)
+        _write_jsonl(path, rows)
+    return rows
 
 
-def _write_jsonl(path: Path, rows: list[dict[str, Any]], mode: str = "a") -> None:
-    with path.open(mode, encoding="utf-8") as file:
-        for row in rows:
-            file.write(json.dumps(row, default=str) + "\n")
+def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The whole results file, written atomically (an interrupted run leaves the previous one intact)."""
+    write_atomically(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     fields = list(dict.fromkeys(key for row in rows for key in row))
-    with path.open("w", newline="", encoding="utf-8") as file:
-        writer = csv.DictWriter(file, fieldnames=fields)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()})
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fields)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()})
+    write_atomically(path, text.getvalue())
 
 
 def _versions() -> dict[str, str]:
@@ -192,9 +239,15 @@ def run_compare(args: argparse.Namespace) -> None:
     tasks = _tasks(args.tasks)
     budgets = _budgets(args.budgets)
     recipes = _recipes(args.recipes)
-    _check_sizes(args)
     text, text_source = read_text(args.text_file)
     out = _out_dir(args.out)
+    with OutputLock(out, "kvpolicy compare"):
+        _compare(args, tasks, budgets, recipes, text, text_source, out)
+
+
+def _compare(args, tasks: list[Task], budgets, recipes, text: str, text_source: str, out: Path) -> None:
+    """The sweep proper, with the output folder locked."""
+    _load_results(out / "results.jsonl")  # a results file that cannot be used fails now, before the model loads
     console = require("rich.console").Console(stderr=args.json, width=None if sys.stdout.isatty() else 132)
     started = time.perf_counter()
     with quiet_torch(args.threads):
@@ -218,6 +271,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
     import torch
 
     from ..hf.models import load_model
+    from ..tasks import Context
 
     model, tokenizer = load_model(args.model)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -246,8 +300,11 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
     if force:
         drop = {key for task_keys in keys.values() for key in task_keys}
         existing = [row for row in existing if row["key"] not in drop]
-        _write_jsonl(path, existing, mode="w")
-    done = {row["key"]: row for row in existing}
+        _write_jsonl(path, existing)
+    kept = list({row["key"]: row for row in existing}.values())  # one row per key (the last), whatever the file held
+    if len(kept) != len(existing):
+        _write_jsonl(path, kept)
+    done = {row["key"]: row for row in kept}
     with _progress(console) as progress:
         ctx.progress = progress
         for task in sorted(tasks, key=lambda t: not getattr(t, "run_first", False)):  # stable: else as given
@@ -256,15 +313,34 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
                 console.print(f"{task.name}: all {len(rows)} rows already in {path}, skipped")
                 continue
             task_started = time.perf_counter()
-            metrics = task.run(ctx, [rows[i] for i in todo])
+            metrics = _run_task(task, ctx, [rows[i] for i in todo])
             fresh = [_result(task, rows[i], keys[task.name][i], m, ctx, meta)
                      for i, m in zip(todo, metrics, strict=True)]
-            _write_jsonl(path, fresh)
             done.update((row["key"], row) for row in fresh)
+            kept += fresh
+            _write_jsonl(path, kept)
             console.print(f"{task.name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
                           f"({len(rows) - len(todo)} already done)")
         ctx.progress = None
     return [done[key] for task in tasks for key in keys[task.name]]
+
+
+def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+    """``task.run``; a plugin's task that fails (or returns the wrong number of rows) is named in a KVPolicyError."""
+    module = getattr(type(task), "__module__", "") or ""
+    if module.startswith("kvpolicy."):
+        return task.run(ctx, rows)
+    try:
+        metrics = list(task.run(ctx, rows))
+    except (KVPolicyError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        raise KVPolicyError(f"task {task.name!r} (from {module}) failed: {describe_failure(exc)}; "
+                            "this is a bug in the plugin: fix it, or leave the task out of --tasks") from exc
+    if len(metrics) != len(rows) or not all(isinstance(m, dict) for m in metrics):
+        raise KVPolicyError(f"task {task.name!r} (from {module}) returned {len(metrics)} results for {len(rows)} rows; "
+                            "it must return one dict of metrics per row")
+    return metrics
 
 
 def _progress(console: Any):
@@ -288,9 +364,9 @@ def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Contex
 
 
 def _budget_text(row: Row | dict) -> str:
-    budget = row.budget if isinstance(row, Row) else row["budget"]
+    budget = row["budget"] if isinstance(row, dict) else row.budget
     if budget is None:
-        evicts = row.evicts if isinstance(row, Row) else row.get("evicts", False)
+        evicts = row.get("evicts", False) if isinstance(row, dict) else row.evicts
         return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
     return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
 
@@ -322,7 +398,11 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
     for task in tasks:
         for figure, metric, label in task.plots:
             figures.setdefault(figure, []).append((task.name, metric, label))
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KVPolicyError(f"cannot create the plots folder {str(folder)!r}: {error.strerror or error}; "
+                            "remove what is in the way or choose another --out") from None
     budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=float)
     ratios = all("." in b for b in budgets)
     tokens = all("." not in b for b in budgets)

@@ -23,6 +23,7 @@ from ..errors import KVPolicyError
 from ..memory_report import human_bytes
 from ..policies.fastgen import FastGenParams, parse_pattern, pattern_name
 from ..recipe import load_recipe
+from .common import write_atomically
 
 PARAMS_RECORDED = ("local_ratio", "frequency_ratio", "sinks")  # what a fixed pattern still reads
 
@@ -108,8 +109,11 @@ class Profile:
     def write(self, path: str | Path, name: str | None = None) -> Path:
         """Write the recipe, then read it back and check that it gives every head its profiled pattern."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.recipe_text(name or path.stem), encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise KVPolicyError(f"cannot create the folder of --out {str(path)!r}: {error.strerror or error}") from None
+        write_atomically(path, self.recipe_text(name or path.stem))  # an interrupted run leaves no half recipe
         plan = load_recipe(path).resolve(len(self.patterns), len(self.patterns[0]))
         if recipe_patterns(plan) != self.patterns:
             raise KVPolicyError(f"{path}: the written recipe does not reproduce the profile (a kvpolicy bug)")

@@ -9,7 +9,9 @@ The function finds the layer being computed (`cache.active_layer`), asks it for 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,6 +26,7 @@ from .cache import active_layer
 ATTENTION_NAME = "kvpolicy"
 _registered = False
 _warned_no_cache = False
+_quiet = 0
 
 
 def _padding_mask(batch_size: int, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> Any:
@@ -56,22 +59,42 @@ def kvpolicy_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = active_layer(getattr(module, "layer_idx", -1))
     if layer is None:
-        return _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window)
+        return _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window), None
     queries = query.shape[2]
     query_valid = attention_mask[:, -queries:] if isinstance(attention_mask, torch.Tensor) else None
     if query_valid is not None and bool(query_valid.all()):
         query_valid = None
-    result = attend(query, layer.begin_call(query_valid, scaling, sliding_window))
+    try:
+        result = attend(query, layer.begin_call(query_valid, scaling, sliding_window))
+    except BaseException:
+        layer.abandon_call()  # a later call, of any model on this thread, must not find this layer waiting
+        raise
     layer.end_call(result.stats)
     return result.output, None
 
 
+@contextlib.contextmanager
+def no_cache_warning_off() -> Iterator[None]:
+    """Within it, running without a kvpolicy cache is intended (the caller has warned in its own words)."""
+    global _quiet
+    _quiet += 1
+    try:
+        yield
+    finally:
+        _quiet -= 1
+
+
 def _attention_without_policy_cache(query, key, value, attention_mask, scaling, sliding_window):
-    """The model ran without a PolicyCache (plain DynamicCache or no cache): plain causal attention."""
+    """The model ran without a PolicyCache (plain DynamicCache, or no cache): plain causal attention, [B, q, Hq, D].
+
+    What transformers' SDPA attention gives: causal, the 2D padding mask over every key (the
+    mask function passes it through), the sliding window; pad queries see every key so that
+    softmax stays finite (their outputs are never used).
+    """
     global _warned_no_cache
-    if not _warned_no_cache:
+    if not _warned_no_cache and not _quiet:
         warnings.warn(
-            "kvpolicy attention ran without a kvpolicy cache, so nothing is evicted; "
+            "kvpolicy attention ran without a kvpolicy cache, so nothing is evicted (plain attention over every token); "
             "pass cache=session.new_cache() to generate (past_key_values= in older transformers), or use session.generate",
             stacklevel=3,
         )

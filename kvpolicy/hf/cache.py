@@ -40,7 +40,23 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._initialize(key_states, value_states)
 
+    #: the model's attention implementation now (set by `PolicyCache`), or None where unknown
+    attention: Callable[[], str | None] | None = None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        current = self.attention() if self.attention is not None else None
+        if current is not None and current != "kvpolicy":
+            raise KVPolicyError(
+                f"a kvpolicy cache was given to a model that runs {current!r} attention, not kvpolicy's, so it would "
+                "evict nothing: the session was detached (or the attention switched); attach the recipe again and use "
+                "that session's new_cache()"
+            )
+        if self.pending is not None:  # the previous pass never reached kvpolicy's attention for this layer
+            raise KVPolicyError(
+                f"layer {self.layer_idx} of this kvpolicy cache got new tokens before its previous ones were attended "
+                "(a forward pass that failed midway, or attention other than kvpolicy's): make a fresh cache with "
+                "session.new_cache()"
+            )
         keys_values = self.append(key_states, value_states)
         _active.layer = self
         for watcher in self.update_watchers:
@@ -50,6 +66,10 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     def end_call(self, stats) -> None:
         _active.layer = None
         super().end_call(stats)
+
+    def abandon_call(self) -> None:
+        """The attention call failed: stop announcing this layer (its cache refuses more tokens, see `update`)."""
+        _active.layer = None
 
     def get_seq_length(self) -> int:
         return self.slots_seen
@@ -76,7 +96,8 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
 class PolicyCache(Cache):
     """A KV cache that evicts per (batch row, KV head) as its recipe's policies decide."""
 
-    def __init__(self, layers: list[CacheLayer]):
+    def __init__(self, layers: list[CacheLayer], attention: Callable[[], str | None] | None = None):
+        """``attention``: tells the model's attention implementation now, checked at every update."""
         super().__init__(layers=layers)
         # only when a policy reads token ids: the session's forward pre-hook fills it (session.py)
         self.token_feed = TokenFeed() if any(layer.token_id_policies for layer in layers) else None
@@ -85,6 +106,7 @@ class PolicyCache(Cache):
         for layer in layers:
             layer.token_feed = self.token_feed
             layer.update_watchers = self.update_watchers
+            layer.attention = attention
 
     def memory_report(self) -> MemoryReport:
         return MemoryReport([layer.memory() for layer in self.layers])

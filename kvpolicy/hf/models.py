@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -143,6 +145,22 @@ def _build_cache(gguf: Path, target: Path, attn: str) -> tuple[PreTrainedModel, 
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def folder_errors(path: Path) -> Iterator[None]:
+    """A model folder transformers cannot read (a broken config.json, missing weights or tokenizer files, weights
+    of another shape) raises a KVPolicyError naming the folder and the first line of the reason."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+        raise KVPolicyError(
+            f"cannot load the model in {str(path)!r}: {text[:300]}; give a complete Hugging Face folder "
+            "(config.json, the weights, the tokenizer files)"
+        ) from error
+
+
 def load_model(
     name_or_path: str = "smollm2",
     *,
@@ -180,10 +198,11 @@ def load_model(
                 + ". A local Hugging Face model folder path works too."
             )
     if model is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        with folder_errors(path):
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = model.to(device).eval()
     if tokenizer.pad_token is None:  # batched prompts need padding
         tokenizer.pad_token = tokenizer.eos_token

@@ -8,6 +8,7 @@ builds a `PolicyCache` whose layers share the session's policy instances.
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,13 @@ from transformers import PreTrainedModel
 
 from ..backend.select import select_backend
 from ..errors import KVPolicyError
-from ..plan import Plan
+from ..plan import MAX_TOKENS, Plan
 from ..policies.base import Policy
-from ..policy_calls import group_cells
+from ..policy_calls import call_policy, group_cells
 from ..recipe import Recipe, load_recipe
 from ..registry import Registry, get_registry
 from ..rotary import find_inv_freq
-from .attention import ATTENTION_NAME, register
+from .attention import ATTENTION_NAME, no_cache_warning_off, register
 from .cache import CacheLayer, PolicyCache
 
 
@@ -40,6 +41,8 @@ class Session:
     #: one plan per batch row (`attach_rows`), or empty: ``plan`` applies to every row
     row_plans: list[Plan] = field(default_factory=list)
     last_cache: PolicyCache | None = None
+    #: the model's detach count when this session was attached: it is live while they match
+    _epoch: int = 0
     _policies: dict[tuple[str, str], Policy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,12 +50,40 @@ class Session:
             for head in layer.heads:
                 key = head.policy_key
                 if key not in self._policies:
-                    policy = self.registry.get(head.policy)(head.params)
-                    policy.prepare(model=self.model, tokenizer=self.tokenizer)
+                    cls = self.registry.get(head.policy)
+                    policy = call_policy(cls, "__init__", cls, head.params)
+                    call_policy(policy, "prepare", policy.prepare, model=self.model, tokenizer=self.tokenizer)
                     self._policies[key] = policy
 
+    @property
+    def attached(self) -> bool:
+        """True while the model runs this session's attention: not detached, by itself or by another session."""
+        return (self.model.__dict__.get(_EPOCH, 0) == self._epoch
+                and self.model.config._attn_implementation == ATTENTION_NAME)
+
+    def _check_attached(self, what: str) -> None:
+        if self.model.__dict__.get(_EPOCH, 0) != self._epoch:
+            raise KVPolicyError(
+                f"cannot {what}: this session was detached from the model (by its own detach(), or by the detach() of "
+                "another session on the same model), so its cache would evict nothing; attach the recipe again: "
+                "session = kvpolicy.attach(model, recipe)"
+            )
+        current = self.model.config._attn_implementation
+        if current != ATTENTION_NAME:
+            raise KVPolicyError(
+                f"cannot {what}: the model runs {current!r} attention, not kvpolicy's, so its cache would evict "
+                f"nothing; switch back with model.set_attn_implementation({ATTENTION_NAME!r}) or attach the recipe again"
+            )
+
     def new_cache(self, prompt_tokens: int | None = None) -> PolicyCache:
-        """A fresh cache; ratio budgets resolve from the first forward's real tokens, or ``prompt_tokens``."""
+        """A fresh cache; ratio budgets resolve from the first forward's real tokens, or ``prompt_tokens``.
+
+        Raises KVPolicyError if the session is no longer attached (see `detach`).
+        """
+        self._check_attached("make a cache")
+        if prompt_tokens is not None and (not isinstance(prompt_tokens, int) or isinstance(prompt_tokens, bool)
+                                          or not 1 <= prompt_tokens <= MAX_TOKENS):
+            raise KVPolicyError(f"prompt_tokens={prompt_tokens!r}: give the prompt's length, a whole number >= 1")
         plans = self.row_plans or [self.plan]
         layers = []
         for index in range(len(self.plan.layers)):
@@ -60,9 +91,10 @@ class Session:
             groups = group_cells([[head.policy_key for head in row.heads] for row in rows], self._policies)
             inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in groups) else None
             layers.append(CacheLayer(index, rows, groups, prompt_tokens, self.plan.backend, inv_freq))
-        self.last_cache = PolicyCache(layers)
+        config = self.model.config
+        self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
         if self.last_cache.token_feed is not None:
-            _record_token_ids(self.model)
+            _install_hooks(self.model)
         return self.last_cache
 
     def _inv_freq(self) -> torch.Tensor:
@@ -73,27 +105,57 @@ class Session:
         return self.__dict__["inv_freq"]
 
     def generate(self, *args: Any, prompt_tokens: int | None = None, **kwargs: Any) -> torch.Tensor:
-        """``model.generate`` with a fresh kvpolicy cache (available afterwards as ``last_cache``)."""
+        """``model.generate`` with a fresh kvpolicy cache (available afterwards as ``last_cache``).
+
+        With ``use_cache=False`` (as an argument or in the generation config) there is no cache
+        to evict from: the call runs plain attention over every token, so it gives the full
+        cache's tokens, says so in a warning, and leaves ``last_cache`` None. Raises
+        KVPolicyError if the session is no longer attached (see `detach`).
+        """
+        self._check_attached("generate")
+        config = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        use_cache = kwargs.get("use_cache", getattr(config, "use_cache", True))
+        if use_cache is False:
+            warnings.warn(
+                f"session.generate(use_cache=False): without a KV cache nothing can be evicted, so recipe "
+                f"{self.plan.name!r} does not apply and the tokens are the full cache's; drop use_cache=False "
+                "to evict", stacklevel=2,
+            )
+            self.last_cache = None
+            with no_cache_warning_off():
+                return self.model.generate(*args, **kwargs)
         kwargs[cache_keyword(self.model)] = self.new_cache(prompt_tokens)
         return self.model.generate(*args, **kwargs)
 
     def detach(self) -> None:
-        """Give the model back its previous attention implementation (and drop the token-id hooks)."""
-        self.model.set_attn_implementation(self.previous_attention)
-        for handle in self.model.__dict__.pop(_TOKEN_HOOKS, ()):
+        """Give the model back its attention implementation from before the first attach (and drop kvpolicy's hooks).
+
+        Every session on the model is detached with it (they share the model's attention):
+        their ``generate`` and ``new_cache`` then raise KVPolicyError rather than silently
+        evict nothing; attach again for a new session. Detaching twice does nothing.
+        """
+        if self.model.__dict__.get(_EPOCH, 0) != self._epoch:
+            return  # already detached, by itself or by another session: the model may belong to a newer one
+        self.model.__dict__[_EPOCH] = self._epoch + 1
+        self.model.set_attn_implementation(self.model.__dict__.pop(_ORIGINAL, self.previous_attention))
+        for handle in self.model.__dict__.pop(_HOOKS, ()):
             handle.remove()
 
 
-_TOKEN_HOOKS = "_kvpolicy_token_id_hooks"
+#: model.__dict__ keys: how many detaches the model has seen (a session is live while it matches the
+#: count at its attach), the attention from before the first attach, and the forward hooks
+_EPOCH = "_kvpolicy_epoch"
+_ORIGINAL = "_kvpolicy_original_attention"
+_HOOKS = "_kvpolicy_forward_hooks"
 
 
-def _record_token_ids(model: PreTrainedModel) -> None:
+def _install_hooks(model: PreTrainedModel) -> None:
     """Hooks on ``model`` that hand each forward pass's ``input_ids`` to its PolicyCache (once per model).
 
     Only sessions whose policies read token ids (FastGen) install them; calls with
     ``inputs_embeds`` alone leave the cache without ids, and such a policy then says so.
     """
-    if _TOKEN_HOOKS in model.__dict__:
+    if _HOOKS in model.__dict__:
         return
 
     def cache_of(kwargs: dict[str, Any]) -> PolicyCache | None:
@@ -111,7 +173,7 @@ def _record_token_ids(model: PreTrainedModel) -> None:
         if cache is not None:
             cache.token_feed.ids = None  # never reused by a later call that brings none
 
-    model.__dict__[_TOKEN_HOOKS] = (
+    model.__dict__[_HOOKS] = (
         model.register_forward_pre_hook(before, with_kwargs=True),
         model.register_forward_hook(after, with_kwargs=True),
     )
@@ -129,6 +191,14 @@ def model_shape(model: PreTrainedModel) -> tuple[int, int]:
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
     if layers is None or heads is None:
         raise KVPolicyError(f"cannot tell the number of layers and KV heads of {type(model).__name__}")
+    return checked_shape(layers, heads, type(model).__name__)
+
+
+def checked_shape(layers: object, heads: object, what: str) -> tuple[int, int]:
+    """(layers, KV heads) of a model's config, each a whole number >= 1, or a KVPolicyError naming ``what``."""
+    for name, value in (("num_hidden_layers", layers), ("num_key_value_heads", heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise KVPolicyError(f"{what} has {name} = {value!r} in its config: it must be a whole number >= 1")
     return layers, heads
 
 
@@ -157,9 +227,12 @@ def attach(
     register()
     previous = model.config._attn_implementation or "sdpa"
     if previous == ATTENTION_NAME:
-        previous = "sdpa"
+        previous = model.__dict__.get(_ORIGINAL, "sdpa")
+    session = Session(model=model, plan=plan, registry=registry, previous_attention=previous, tokenizer=tokenizer,
+                      _epoch=model.__dict__.get(_EPOCH, 0))
+    model.__dict__.setdefault(_ORIGINAL, previous)
     model.set_attn_implementation(ATTENTION_NAME)
-    return Session(model=model, plan=plan, registry=registry, previous_attention=previous, tokenizer=tokenizer)
+    return session
 
 
 def attach_rows(

@@ -32,7 +32,7 @@ def available_tasks(registry: Any = None) -> dict[str, Task]:
     A plugin whose hook raises or returns something that is not a task is reported in the
     registry's ``broken`` (by plugin name, with the reason); the other tasks stay available.
     """
-    from ..registry import get_registry
+    from ..registry import PLUGIN_FAILURES, describe_failure, get_registry
 
     registry = registry or get_registry()
     hook = getattr(registry.manager.hook, "kvpolicy_register_tasks", None)
@@ -42,8 +42,8 @@ def available_tasks(registry: Any = None) -> dict[str, Task]:
             for task in found:
                 if not isinstance(getattr(task, "name", None), str) or not callable(getattr(task, "run", None)):
                     raise TypeError(f"{task!r} is not a compare task (it needs a `name` and a `run(context, rows)`)")
-        except Exception as exc:  # a broken plugin must never take kvpolicy down
-            registry.broken.setdefault(impl.plugin_name, f"task registration failed: {type(exc).__name__}: {exc}")
+        except PLUGIN_FAILURES as exc:  # a broken plugin must never take kvpolicy down, not even by sys.exit()
+            registry.broken.setdefault(impl.plugin_name, f"task registration failed: {describe_failure(exc)}")
             continue
         for task in found:
             TASKS.setdefault(task.name, task)
