@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import did_you_mean
-from .plan import Budget
+from .plan import MAX_TOKENS, Budget
 from .recipe_checks import check_keys, line_of, number_hint, quote, recipe_error, type_ok
 from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES
 
@@ -119,10 +119,11 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
     if ratio is not None and not (type_ok(ratio, float) and 0 < ratio <= 1):
         raise recipe_error(file, line_of(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {quote(ratio)}",
                            number_hint(ratio) or "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
-    if tokens is not None and not (type_ok(tokens, int) and tokens >= 1):
-        raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens", f"must be an integer >= 1, got {quote(tokens)}",
-                           number_hint(tokens))
-    if not (type_ok(slack, int) and slack >= 0):
-        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {quote(slack)}",
-                           number_hint(slack))
+    if tokens is not None and not (type_ok(tokens, int) and 1 <= tokens <= MAX_TOKENS):
+        raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens",
+                           f"must be an integer from 1 to {MAX_TOKENS:,}, got {quote(tokens)}",
+                           number_hint(tokens) or "A budget in tokens counts the tokens each KV head keeps")
+    if not (type_ok(slack, int) and 0 <= slack <= MAX_TOKENS):
+        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack",
+                           f"must be an integer from 0 to {MAX_TOKENS:,}, got {quote(slack)}", number_hint(slack))
     return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw, schedule

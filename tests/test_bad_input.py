@@ -29,7 +29,8 @@ from tiny_models import padded_batch, tiny_model
 
 from kvpolicy import hookimpl
 from kvpolicy.commands.cli import main
-from kvpolicy.commands.common import MAX_TOKENS, OutputLock, parse_budget
+from kvpolicy.commands.common import MAX_TOKENS, parse_budget
+from kvpolicy.commands.output_files import OutputLock
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf import attention as attention_module
 from kvpolicy.hf.session import attach, attach_rows
@@ -444,8 +445,6 @@ def test_a_plugin_policy_that_raises_is_named_by_the_cli(tiny, tmp_path):
     assert_one_line_error(result, "policy 'raiser' (from kvp_test_raiser) failed in score: RuntimeError: score exploded")
 
 
-@pytest.mark.xfail(strict=True, reason="Params.validate is called in kvpolicy/recipe.py, which catches only "
-                                       "ValueError and TypeError: for the recipe work of issue #16")
 def test_params_validate_that_raises_something_else_is_named(tmp_path):
     env = install_plugins(tmp_path / "site", {"kvp_test_raiser.py": RAISING_PLUGIN})
     recipe = tmp_path / "bad.yaml"
@@ -527,7 +526,7 @@ def test_a_second_run_into_one_out_is_refused_and_a_stale_lock_taken_over(tiny, 
     assert not lock.exists() and len(rows_of(out)) == 2
     with OutputLock(out, "test"):  # held by a live process: a second taker is refused, naming it
         second = subprocess.run([sys.executable, "-c", "from pathlib import Path\n"
-                                 "from kvpolicy.commands.common import OutputLock\n"
+                                 "from kvpolicy.commands.output_files import OutputLock\n"
                                  f"with OutputLock(Path({str(out)!r})): pass"],
                                 capture_output=True, text=True, timeout=TIMEOUT)
         assert second.returncode == 1 and f"in use by another test (pid {os.getpid()}" in second.stderr
@@ -595,7 +594,7 @@ def test_write_atomically_keeps_the_old_file_when_interrupted(tmp_path, monkeypa
 
 
 def test_csv_of_rows_with_different_fields_is_whole(tmp_path):
-    from kvpolicy.commands.compare import _write_csv
+    from kvpolicy.commands.output_files import write_csv
 
-    _write_csv(tmp_path / "r.csv", [{"a": 1}, {"b": [1, 2]}])
+    write_csv(tmp_path / "r.csv", [{"a": 1}, {"b": [1, 2]}])
     assert list(csv.reader(io.StringIO((tmp_path / "r.csv").read_text()))) == [["a", "b"], ["1", ""], ["", "[1, 2]"]]

@@ -19,6 +19,7 @@ from ..errors import KVPolicyError
 from .bench_cap import attach_configs, parse_bytes, run_throughput
 from .bench_stream import run_stream
 from .common import pyplot, quiet_torch, read_text, require
+from .output_files import OutputLock, write_atomically
 
 DEFAULT_RECIPES = ["full", "h2o", "streaming"]
 
@@ -157,7 +158,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or torch.get_num_threads()
-    with quiet_torch(threads):
+    with OutputLock(out, "kvpolicy bench"), quiet_torch(threads):
         model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
         text, source = read_text(args.text_file)
         text_ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
@@ -187,10 +188,8 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
                      f"(spread {args.spread:g}), {args.new_tokens} new tokens, {torch.get_num_threads()} threads")
             console.print(throughput_table(results, title))
             plots = [plot_throughput(results, out / "throughput-vs-batch.png")]
-    meta = {"command": "kvpolicy bench", "args": {k: v for k, v in vars(args).items() if k != "func"},
-            "torch": torch.__version__, "threads": threads}
-    with open(out / "bench.jsonl", "w", encoding="utf-8") as handle:
-        for row in results:
-            handle.write(json.dumps({**row, "meta": meta}) + "\n")
+        meta = {"command": "kvpolicy bench", "args": {k: v for k, v in vars(args).items() if k != "func"},
+                "torch": torch.__version__, "threads": threads}
+        write_atomically(out / "bench.jsonl", "".join(json.dumps({**row, "meta": meta}) + "\n" for row in results))
     console.print(f"results: {out / 'bench.jsonl'}; plots: {', '.join(str(p) for p in plots)}")
     return results

@@ -46,10 +46,10 @@ def parse_bytes(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise KVPolicyError(f"memory size {text!r}: write a number and a unit, e.g. 512MiB, 2GiB or 800MB")
-    size = int(float(match.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise KVPolicyError(f"memory size {text!r} must be above zero")
-    return size
+    size = float(match.group(1)) * _UNITS[unit]
+    if not 0 < size <= 1 << 50:  # a PiB: past any machine's memory (and inf, for a number of hundreds of digits)
+        raise KVPolicyError(f"memory size {text[:40]!r} must be above zero and at most 1 PiB, e.g. 512MiB")
+    return int(size)
 
 
 # --- configurations ------------------------------------------------------------------------------------

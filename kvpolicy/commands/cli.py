@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvpolicy: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `kvpolicy ... | head`: the reader left; stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     return 0
 
 

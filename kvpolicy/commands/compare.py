@@ -10,9 +10,7 @@ budget, model, text and task settings) are skipped unless ``--force``.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
-import io
 import json
 import platform
 import shlex
@@ -25,17 +23,9 @@ from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
 from ..recipe import load_recipe, with_budget
 from ..registry import describe_failure, get_registry
-from .common import (
-    THREADS,
-    OutputLock,
-    count,
-    parse_budget,
-    pyplot,
-    quiet_torch,
-    read_text,
-    require,
-    write_atomically,
-)
+from .common import THREADS, count, parse_budget, quiet_torch, read_text, require
+from .compare_report import plot_sweep, table
+from .output_files import OutputLock, load_results, write_csv, write_jsonl
 
 if TYPE_CHECKING:  # the tasks import transformers: loaded when a sweep runs, so that bad input fails fast
     from ..tasks import Context, Row, Task
@@ -152,65 +142,6 @@ def _fingerprint(model: str, text_sha: str, task: Task, settings: dict[str, Any]
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-#: what every row of results.jsonl must hold, and its type; a row without them is recomputed
-_ROW_FIELDS = {"key": str, "task": str, "recipe": str, "budget": (str, type(None))}
-
-
-def _load_results(path: Path) -> list[dict[str, Any]]:
-    """The readable rows of a results file. Lines that are not a JSON row with the fields of `_ROW_FIELDS` (a
-    line cut short by an older version's interrupted run, a bad byte, a missing field) are set aside in
-    ``results.jsonl.unreadable``, named on stderr, and their rows recomputed."""
-    if not path.exists():
-        return []
-    if not path.is_file():
-        raise KVPolicyError(f"{str(path)!r} is a folder (or not a file), so no results can be kept there: "
-                            "remove it or choose another --out")
-    try:
-        data = path.read_bytes()
-    except OSError as error:
-        raise KVPolicyError(f"cannot read {str(path)!r}: {error.strerror or error}; fix it or choose another --out") \
-            from None
-    rows, unreadable = [], []
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError included
-            unreadable.append(line)
-            continue
-        if isinstance(row, dict) and all(isinstance(row.get(k), t) for k, t in _ROW_FIELDS.items()):
-            rows.append(row)
-        else:
-            unreadable.append(line)
-    if unreadable:
-        aside = path.with_name(path.name + ".unreadable")
-        try:
-            with aside.open("ab") as file:
-                file.write(b"".join(line + b"\n" for line in unreadable))
-        except OSError:
-            aside = None
-        print(f"kvpolicy: note: {len(unreadable)} unreadable line(s) of {path} "
-              f"{f'moved to {aside}' if aside else 'dropped'}; their rows are recomputed", file=sys.stderr)
-        _write_jsonl(path, rows)
-    return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    """The whole results file, written atomically (an interrupted run leaves the previous one intact)."""
-    write_atomically(path, "".join(json.dumps(row, default=str) + "\n" for row in rows))
-
-
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    fields = list(dict.fromkeys(key for row in rows for key in row))
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=fields)
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in row.items()})
-    write_atomically(path, text.getvalue())
-
-
 def _versions() -> dict[str, str]:
     import torch
     import transformers
@@ -247,7 +178,7 @@ def run_compare(args: argparse.Namespace) -> None:
 
 def _compare(args, tasks: list[Task], budgets, recipes, text: str, text_source: str, out: Path) -> None:
     """The sweep proper, with the output folder locked."""
-    _load_results(out / "results.jsonl")  # a results file that cannot be used fails now, before the model loads
+    load_results(out / "results.jsonl")  # a results file that cannot be used fails now, before the model loads
     console = require("rich.console").Console(stderr=args.json, width=None if sys.stdout.isatty() else 132)
     started = time.perf_counter()
     with quiet_torch(args.threads):
@@ -257,7 +188,7 @@ def _compare(args, tasks: list[Task], budgets, recipes, text: str, text_source: 
         meta = {"model": args.model, "text": text_source, "text_sha": hashlib.sha256(text.encode()).hexdigest()[:16],
                 "seed": args.seed, "command": _command(args, out), "versions": _versions(), "threads": args.threads}
         sweep = _sweep(ctx, tasks, rows, out, meta, args.force, console)
-    _write_csv(out / "results.csv", _load_results(out / "results.jsonl"))
+    write_csv(out / "results.csv", load_results(out / "results.jsonl"))
     plots = plot_sweep(sweep, tasks, out / "plots")
     console.print(table(sweep, rows, tasks, title=f"{args.model}: {text_source}, seed {args.seed}"))
     console.print(f"results: {out / 'results.jsonl'}, {out / 'results.csv'}; plots: "
@@ -294,16 +225,16 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
     shape = model_shape(ctx.model)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
-    existing = _load_results(path)
+    existing = load_results(path)
     keys = {task.name: [_key(task.name, row, _fingerprint(meta["model"], meta["text_sha"], task, task.settings(ctx),
                                                           row, shape)) for row in rows] for task in tasks}
     if force:
         drop = {key for task_keys in keys.values() for key in task_keys}
         existing = [row for row in existing if row["key"] not in drop]
-        _write_jsonl(path, existing)
+        write_jsonl(path, existing)
     kept = list({row["key"]: row for row in existing}.values())  # one row per key (the last), whatever the file held
     if len(kept) != len(existing):
-        _write_jsonl(path, kept)
+        write_jsonl(path, kept)
     done = {row["key"]: row for row in kept}
     with _progress(console) as progress:
         ctx.progress = progress
@@ -318,7 +249,7 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
                      for i, m in zip(todo, metrics, strict=True)]
             done.update((row["key"], row) for row in fresh)
             kept += fresh
-            _write_jsonl(path, kept)
+            write_jsonl(path, kept)
             console.print(f"{task.name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
                           f"({len(rows) - len(todo)} already done)")
         ctx.progress = None
@@ -361,100 +292,3 @@ def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Contex
 
 
 # --- table and plots ----------------------------------------------------------------------------------
-
-
-def _budget_text(row: Row | dict) -> str:
-    budget = row["budget"] if isinstance(row, dict) else row.budget
-    if budget is None:
-        evicts = row.get("evicts", False) if isinstance(row, dict) else row.evicts
-        return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
-    return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
-
-
-def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title: str = ""):
-    """A rich Table: one line per recipe x budget, the tasks' columns side by side."""
-    Table = require("rich.table").Table
-
-    found = {(r["task"], r["recipe"], r["budget"]): r for r in sweep}
-    out = Table(title=title)
-    out.add_column("recipe")
-    out.add_column("budget", justify="right")
-    for task in tasks:
-        for _, header, _ in task.columns:
-            out.add_column(header, justify="right")
-    for row in rows:
-        cells = [row.recipe, _budget_text(row)]
-        for task in tasks:
-            result = found.get((task.name, row.recipe, row.budget), {})
-            cells += [fmt.format(result[m]) if result.get(m) is not None else "-" for m, _, fmt in task.columns]
-        out.add_row(*cells, end_section=row.is_full)
-    return out
-
-
-def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> list[Path]:
-    """One PNG per figure named in the tasks' ``plots``: each metric vs budget, a line per recipe, full as a line."""
-    plt = pyplot()
-    figures: dict[str, list[tuple[str, str, str]]] = {}
-    for task in tasks:
-        for figure, metric, label in task.plots:
-            figures.setdefault(figure, []).append((task.name, metric, label))
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise KVPolicyError(f"cannot create the plots folder {str(folder)!r}: {error.strerror or error}; "
-                            "remove what is in the way or choose another --out") from None
-    budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=float)
-    ratios = all("." in b for b in budgets)
-    tokens = all("." not in b for b in budgets)
-    x_of = {b: (float(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
-    paths = []
-    for figure, panels in figures.items():
-        cols = 2 if len(panels) == 4 else min(3, len(panels))
-        grid = -(-len(panels) // cols)
-        fig, axes = plt.subplots(grid, cols, figsize=(4.4 * cols, 3.4 * grid + 0.5), squeeze=False)
-        for ax in axes.flat[len(panels):]:
-            ax.set_visible(False)
-        for ax, (task, metric, label) in zip(axes.flat, panels, strict=False):
-            _panel(ax, [r for r in sweep if r["task"] == task and r.get(metric) is not None], metric, x_of)
-            ax.set_title(label, fontsize=10)
-            ax.set_xlabel("budget, % of the prompt (ppl: of the text)" if ratios else "budget, tokens" if tokens else "budget")
-            if not (ratios or tokens):
-                ax.set_xticks(list(x_of.values()), budgets)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, 0.5 / (3.4 * grid + 0.5), 1, 1))
-        path = folder / f"{figure}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-_MARKERS = "os^DvP*X"
-
-
-def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, float]) -> None:
-    """One metric vs budget: a line per recipe (markers shrink so that equal lines stay visible), full dashed."""
-    recipes = list(dict.fromkeys(r["recipe"] for r in results))
-    values = [r[metric] for r in results]
-    drawn = 0
-    for recipe in recipes:
-        mine = [r for r in results if r["recipe"] == recipe]
-        if all(r["budget"] is None for r in mine):
-            own = bool(mine[0].get("evicts"))  # FastGen: evicts by budgets of its own, one figure at every budget
-            ax.axhline(mine[0][metric], color=f"C{drawn}" if own else "black", linestyle=":" if own else "--",
-                       linewidth=1.5 if own else 1, label=f"{recipe} ({'own budgets' if own else 'no eviction'})")
-            drawn += own
-            continue
-        points = sorted((x_of[r["budget"]], r[metric]) for r in mine if r["budget"] is not None)
-        ax.plot(*zip(*points, strict=True), marker=_MARKERS[drawn % len(_MARKERS)], markersize=max(3, 8 - 1.5 * drawn),
-                linewidth=max(1.0, 2.2 - 0.4 * drawn), label=recipe, color=f"C{drawn}")
-        drawn += 1
-    if metric.endswith("_ratio"):
-        ax.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="plain transformers")
-    positive = [v for v in values if isinstance(v, (int, float)) and v > 0]
-    if metric == "ppl" and positive and max(positive) / min(positive) > 5:
-        ax.set_yscale("log")
-    elif metric.endswith(("_mib", "_bytes")) or metric in ("accuracy", "greedy_match", "top1", "kl"):
-        ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)

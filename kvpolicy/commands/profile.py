@@ -23,7 +23,7 @@ from ..errors import KVPolicyError
 from ..memory_report import human_bytes
 from ..policies.fastgen import FastGenParams, parse_pattern, pattern_name
 from ..recipe import load_recipe
-from .common import write_atomically
+from .output_files import write_atomically
 
 PARAMS_RECORDED = ("local_ratio", "frequency_ratio", "sinks")  # what a fixed pattern still reads
 

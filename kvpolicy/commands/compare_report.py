@@ -1,0 +1,109 @@
+"""What ``kvpolicy compare`` shows: the terminal table and the plots of a sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import KVPolicyError
+from .common import pyplot, require
+
+if TYPE_CHECKING:
+    from ..tasks import Row, Task
+
+
+def _budget_text(row: Row | dict) -> str:
+    budget = row["budget"] if isinstance(row, dict) else row.budget
+    if budget is None:
+        evicts = row.get("evicts", False) if isinstance(row, dict) else row.evicts
+        return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
+    return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
+
+
+def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title: str = ""):
+    """A rich Table: one line per recipe x budget, the tasks' columns side by side."""
+    Table = require("rich.table").Table
+
+    found = {(r["task"], r["recipe"], r["budget"]): r for r in sweep}
+    out = Table(title=title)
+    out.add_column("recipe")
+    out.add_column("budget", justify="right")
+    for task in tasks:
+        for _, header, _ in task.columns:
+            out.add_column(header, justify="right")
+    for row in rows:
+        cells = [row.recipe, _budget_text(row)]
+        for task in tasks:
+            result = found.get((task.name, row.recipe, row.budget), {})
+            cells += [fmt.format(result[m]) if result.get(m) is not None else "-" for m, _, fmt in task.columns]
+        out.add_row(*cells, end_section=row.is_full)
+    return out
+
+
+def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> list[Path]:
+    """One PNG per figure named in the tasks' ``plots``: each metric vs budget, a line per recipe, full as a line."""
+    plt = pyplot()
+    figures: dict[str, list[tuple[str, str, str]]] = {}
+    for task in tasks:
+        for figure, metric, label in task.plots:
+            figures.setdefault(figure, []).append((task.name, metric, label))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise KVPolicyError(f"cannot create the plots folder {str(folder)!r}: {error.strerror or error}; "
+                            "remove what is in the way or choose another --out") from None
+    budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=float)
+    ratios = all("." in b for b in budgets)
+    tokens = all("." not in b for b in budgets)
+    x_of = {b: (float(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
+    paths = []
+    for figure, panels in figures.items():
+        cols = 2 if len(panels) == 4 else min(3, len(panels))
+        grid = -(-len(panels) // cols)
+        fig, axes = plt.subplots(grid, cols, figsize=(4.4 * cols, 3.4 * grid + 0.5), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (task, metric, label) in zip(axes.flat, panels, strict=False):
+            _panel(ax, [r for r in sweep if r["task"] == task and r.get(metric) is not None], metric, x_of)
+            ax.set_title(label, fontsize=10)
+            ax.set_xlabel("budget, % of the prompt (ppl: of the text)" if ratios else "budget, tokens" if tokens else "budget")
+            if not (ratios or tokens):
+                ax.set_xticks(list(x_of.values()), budgets)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.5 / (3.4 * grid + 0.5), 1, 1))
+        path = folder / f"{figure}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+_MARKERS = "os^DvP*X"
+
+
+def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, float]) -> None:
+    """One metric vs budget: a line per recipe (markers shrink so that equal lines stay visible), full dashed."""
+    recipes = list(dict.fromkeys(r["recipe"] for r in results))
+    values = [r[metric] for r in results]
+    drawn = 0
+    for recipe in recipes:
+        mine = [r for r in results if r["recipe"] == recipe]
+        if all(r["budget"] is None for r in mine):
+            own = bool(mine[0].get("evicts"))  # FastGen: evicts by budgets of its own, one figure at every budget
+            ax.axhline(mine[0][metric], color=f"C{drawn}" if own else "black", linestyle=":" if own else "--",
+                       linewidth=1.5 if own else 1, label=f"{recipe} ({'own budgets' if own else 'no eviction'})")
+            drawn += own
+            continue
+        points = sorted((x_of[r["budget"]], r[metric]) for r in mine if r["budget"] is not None)
+        ax.plot(*zip(*points, strict=True), marker=_MARKERS[drawn % len(_MARKERS)], markersize=max(3, 8 - 1.5 * drawn),
+                linewidth=max(1.0, 2.2 - 0.4 * drawn), label=recipe, color=f"C{drawn}")
+        drawn += 1
+    if metric.endswith("_ratio"):
+        ax.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="plain transformers")
+    positive = [v for v in values if isinstance(v, (int, float)) and v > 0]
+    if metric == "ppl" and positive and max(positive) / min(positive) > 5:
+        ax.set_yscale("log")
+    elif metric.endswith(("_mib", "_bytes")) or metric in ("accuracy", "greedy_match", "top1", "kl"):
+        ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
