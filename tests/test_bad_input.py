@@ -579,17 +579,17 @@ def test_compare_interrupted_at_random_points_resumes_to_the_clean_result(tiny, 
 
 
 def test_write_atomically_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
-    from kvpolicy.commands import common
+    from kvpolicy.commands import output_files
 
     path = tmp_path / "results.jsonl"
-    common.write_atomically(path, "old\n")
+    output_files.write_atomically(path, "old\n")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(common.os, "replace", interrupted)
+    monkeypatch.setattr(output_files.os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        common.write_atomically(path, "new\n")
+        output_files.write_atomically(path, "new\n")
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["results.jsonl"]
 
 
