@@ -68,7 +68,6 @@ def main() -> None:
     sessions = {}
     for name, recipe in recipes.items():
         sessions[name] = attach(model, recipe)
-        sessions[name].detach()
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={args.model} budget={args.budget}")
 
     results = []

@@ -134,7 +134,6 @@ def speed(config_dir: Path, contexts: list[int], batches: list[int], new_tokens:
     sessions = {}
     for name, (recipe, backend) in recipes.items():
         sessions[name] = attach(model, recipe, backend=backend)
-        sessions[name].detach()
     rows = []
     for context in contexts:
         for batch in batches:
