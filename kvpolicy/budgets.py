@@ -28,7 +28,7 @@ class CellBudgets:
         self.allocating = [g for g in groups if g.policy.allocates]
         self.dynamic = [g for g in groups if g.policy.dynamic_budget]
         self.dynamic_cells = torch.stack([g.cells for g in self.dynamic]).any(dim=0) if self.dynamic else None
-        self.limited_cells = torch.tensor([[_limited(h.budget) for h in row.heads] for row in row_plans])
+        self.limited_cells = torch.tensor([[h.budget.is_limited for h in row.heads] for row in row_plans])
         if self.dynamic_cells is not None:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
@@ -130,8 +130,3 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             grown = torch.where(self.dynamic_cells.to(needed.device), needed + headroom(needed, True), grown)
         return grown
-
-
-def _limited(budget) -> bool:
-    return budget.tokens is not None or budget.ratio is not None
-

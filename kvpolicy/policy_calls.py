@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .errors import KVPolicyError
+from .errors import KVPolicyError, first_line
 from .policies.base import AttentionStats, Policy
 
 T = TypeVar("T")
@@ -102,7 +102,7 @@ def call_policy(policy: Policy | type[Policy], hook: str, function: Callable[...
         name = getattr(policy, "name", None) or getattr(policy, "__name__", repr(policy))
         where = _source_of(policy)
         raise KVPolicyError(
-            f"policy {name!r}{where} failed in {hook}: {type(exc).__name__}: {_short(exc)}; "
+            f"policy {name!r}{where} failed in {hook}: {type(exc).__name__}: {first_line(exc) or '(no message)'}; "
             "this is a bug in the policy: fix it, or use another policy"
         ) from exc
 
@@ -111,9 +111,3 @@ def _source_of(policy: Policy | type[Policy]) -> str:
     cls = policy if isinstance(policy, type) else type(policy)
     module = getattr(cls, "__module__", "") or ""
     return "" if module.startswith("kvpolicy.") else f" (from {module})"
-
-
-def _short(exc: BaseException, limit: int = 300) -> str:
-    """The first line of an exception's message, at most ``limit`` characters."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
-    return text if len(text) <= limit else text[:limit] + "..."

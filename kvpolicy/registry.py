@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pluggy
 
 from . import hookspecs
-from .errors import KVPolicyError, did_you_mean
+from .errors import KVPolicyError, did_you_mean, first_line
 from .policies.base import STAT_NAMES, Policy
 
 
@@ -136,8 +136,7 @@ def describe_failure(exc: BaseException) -> str:
     """One line for what a plugin raised (a SystemExit says so)."""
     if isinstance(exc, SystemExit):
         return f"it called sys.exit({exc.code!r})"
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text[:300]}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def _note_if_slow(name: str, target: str, seconds: float) -> None:

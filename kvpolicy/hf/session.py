@@ -55,12 +55,6 @@ class Session:
                     call_policy(policy, "prepare", policy.prepare, model=self.model, tokenizer=self.tokenizer)
                     self._policies[key] = policy
 
-    @property
-    def attached(self) -> bool:
-        """True while the model runs this session's attention: not detached, by itself or by another session."""
-        return (self.model.__dict__.get(_EPOCH, 0) == self._epoch
-                and self.model.config._attn_implementation == ATTENTION_NAME)
-
     def _check_attached(self, what: str) -> None:
         if self.model.__dict__.get(_EPOCH, 0) != self._epoch:
             raise KVPolicyError(
