@@ -1,0 +1,95 @@
+"""The recipe a vLLM engine runs, resolved once per process from its config, and the engine features it refuses.
+
+Every vLLM process that runs layers (the workers) builds one `Engine` from the ``VllmConfig`` it was started
+with; the attention backend, its metadata builder and its KV cache spec all read the same one. It imports no
+vLLM: the config is read by attribute, so the checks are tested without an engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+from ...errors import KVPolicyError
+from .settings import PREFIX, PagedLayer, PagedPlan, Settings, paged_plan, read_settings
+
+logger = logging.getLogger("vllm.kvpolicy")
+
+_ENGINE: Engine | None = None
+
+
+class Engine:
+    """``active`` when the config has a kvpolicy entry whose recipe evicts; ``plan`` is then the paged plan."""
+
+    def __init__(self, settings: Settings | None, plan: PagedPlan | None, fingerprint: Any = None):
+        self.settings, self.plan, self.fingerprint = settings, plan, fingerprint
+
+    @property
+    def active(self) -> bool:
+        return self.plan is not None
+
+    def layer(self, layer_name: str) -> PagedLayer:
+        """The plan of the decoder layer a vLLM attention module belongs to ("model.layers.7.self_attn.attn")."""
+        numbers = [int(part) for part in layer_name.split(".") if part.isdigit()]
+        if len(numbers) != 1 or not 0 <= numbers[0] < len(self.plan.layers):
+            raise KVPolicyError(f"kvpolicy: cannot tell which of the model's {len(self.plan.layers)} layers the "
+                                f"attention module {layer_name!r} belongs to")
+        return self.plan.layers[numbers[0]]
+
+
+def engine_from_config(vllm_config: Any) -> Engine:
+    """This process's engine for ``vllm_config`` (built at the first call; the same config gives the same one)."""
+    global _ENGINE
+    fingerprint = id(vllm_config)
+    if _ENGINE is not None and _ENGINE.fingerprint == fingerprint:
+        return _ENGINE
+    settings = read_settings(getattr(vllm_config, "additional_config", None))
+    plan = None
+    if settings is not None:
+        check_engine(vllm_config)
+        model = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        plan = paged_plan(settings, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
+                          vllm_config.cache_config.block_size)
+        if plan is None:
+            logger.info("kvpolicy: recipe %r evicts nothing; vLLM runs with its full cache", settings.recipe)
+        else:
+            logger.info("kvpolicy: %s (block size %d)", plan.describe(), vllm_config.cache_config.block_size)
+    _ENGINE = Engine(settings, plan, fingerprint)
+    return _ENGINE
+
+
+def process_engine() -> Engine | None:
+    """The engine this process built, if any (a KV cache spec is customized without the config in hand)."""
+    if _ENGINE is not None:
+        return _ENGINE
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return None
+    config = get_current_vllm_config_or_none()
+    return engine_from_config(config) if config is not None else None
+
+
+def check_engine(vllm_config: Any) -> None:
+    """Refuse, in one line each, the engine features a paged kvpolicy cache cannot run with."""
+    cache = vllm_config.cache_config
+    if getattr(cache, "enable_prefix_caching", False):
+        raise KVPolicyError(
+            f"{PREFIX}: prefix caching is on, but an evicted request's blocks no longer hold its prefix and cannot "
+            "be shared; turn it off: LLM(..., enable_prefix_caching=False) or vllm serve --no-enable-prefix-caching")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise KVPolicyError(f"{PREFIX}: speculative decoding is on; kvpolicy's eviction schedule counts one "
+                            "accepted token per step: serve without speculative_config")
+    parallel = vllm_config.parallel_config
+    if getattr(parallel, "tensor_parallel_size", 1) > 1 or getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise KVPolicyError(f"{PREFIX}: tensor or pipeline parallelism is not supported yet (each rank would "
+                            "resolve the recipe's head rules on its own heads); serve with one rank")
+    kv_dtype = str(getattr(cache, "cache_dtype", "auto"))
+    if kv_dtype != "auto":
+        raise KVPolicyError(f"{PREFIX}: kv_cache_dtype={kv_dtype!r}; the kvpolicy cache stores K/V in the model's "
+                            "dtype: leave kv_cache_dtype at 'auto'")
+    if re.search(r"sliding", str(getattr(vllm_config.model_config.hf_text_config, "layer_types", "") or "")):
+        raise KVPolicyError(f"{PREFIX}: the model has sliding-window layers; kvpolicy's vLLM integration runs "
+                            "models whose layers are all full attention")

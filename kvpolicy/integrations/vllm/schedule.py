@@ -1,0 +1,121 @@
+"""When a request evicts, and which of its blocks are then empty: one rule, run alike by vLLM's scheduler and worker.
+
+A paged engine splits a request's KV blocks in two: the *arena*, its first ``ceil(budget / block_size)`` logical
+blocks, holds the tokens each KV head keeps (heads choose different tokens within the same slots), and the
+blocks after it receive new tokens at their positions. An eviction, at the start of a step, ranks the tokens of
+the arena and of the later blocks, keeps each head's ``budget`` best in the arena and leaves the later blocks
+empty (the one the next token goes to is only partly dead). The scheduler frees the empty blocks; the worker,
+which is never told which blocks were freed, works out the same layout from the same rule.
+
+The rule is kvpolicy's own (`budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
+is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in. It
+is decided at step starts (before the step's new tokens), which is where kvpolicy's transformers path stands
+after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
+scheduled (vLLM's ``num_computed_tokens``), and whether its prompt was still coming in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ...plan import Budget
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """One layer budget: ``tokens``, or ``ratio`` of the prompt (kvpolicy's rounding: `plan.Budget.resolve`)."""
+
+    tokens: int | None = None
+    ratio: float | None = None
+
+    def resolve(self, prompt_tokens: int | None) -> int | None:
+        """The budget in tokens; None while a ratio budget waits for the prompt's length."""
+        if self.tokens is not None:
+            return self.tokens
+        if prompt_tokens is None:
+            return None
+        return int(Budget(ratio=self.ratio).resolve(torch.tensor([prompt_tokens]))[0])
+
+    def describe(self) -> str:
+        return Budget(tokens=self.tokens, ratio=self.ratio).describe()
+
+
+def arena_blocks(budget: int, block_size: int) -> int:
+    return -(-budget // block_size)
+
+
+@dataclass
+class RuleState:
+    budget: int | None = None
+    held: int = 0  # tokens held right after the decision at the last step start
+    evicted_at: int | None = None  # the step start of the last eviction
+
+
+@dataclass
+class RequestSchedule:
+    """One request's evictions under every distinct layer budget of a recipe (``rules``)."""
+
+    rules: tuple[BudgetRule, ...]
+    slack: int
+    block_size: int
+    prompt_tokens: int | None = None  # known at the first step start past the prompt
+    last_start: int = 0
+    started: bool = False
+    states: list[RuleState] = field(default_factory=list)
+    last_decision: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.states = [RuleState() for _ in self.rules]
+        self.last_decision = (False,) * len(self.rules)
+
+    def start_step(self, start: int, prefilling: bool) -> tuple[bool, ...]:
+        """Which rules evict at the step that starts with ``start`` tokens processed (asked again: the same answer)."""
+        if self.started and start == self.last_start:
+            return self.last_decision
+        if start < self.last_start:
+            raise ValueError(f"a request's steps go forward: step start {start} after {self.last_start}")
+        if self.prompt_tokens is None and not prefilling:
+            self.prompt_tokens = start
+        added = start - self.last_start
+        decision = []
+        for rule, state in zip(self.rules, self.states):
+            if state.budget is None:
+                state.budget = rule.resolve(self.prompt_tokens)
+            count = state.held + added
+            evict = (state.budget is not None and count > state.budget + self.slack
+                     and start >= arena_blocks(state.budget, self.block_size) * self.block_size)
+            state.held = state.budget if evict else count
+            if evict:
+                state.evicted_at = start
+            decision.append(evict)
+        self.started, self.last_start, self.last_decision = True, start, tuple(decision)
+        return self.last_decision
+
+    def arena(self, rule: int) -> int:
+        """Arena blocks of a rule (0 while its budget is unknown)."""
+        budget = self.states[rule].budget
+        return arena_blocks(budget, self.block_size) if budget is not None else 0
+
+    def live_blocks(self, rule: int, end: int) -> tuple[list[int], int]:
+        """The logical blocks a rule's layers read when ``end`` tokens are in, and the first token position that is
+        still in its place outside the arena (0 before any eviction)."""
+        state = self.states[rule]
+        last = -(-end // self.block_size)
+        if state.evicted_at is None:
+            return list(range(last)), 0
+        first = state.evicted_at // self.block_size
+        return list(range(self.arena(rule))) + list(range(first, last)), state.evicted_at
+
+    def empty_blocks(self) -> tuple[int, int]:
+        """Logical blocks [lo, hi) that every rule has emptied (lo >= hi: none)."""
+        if any(state.evicted_at is None for state in self.states):
+            return 0, 0
+        lo = max(self.arena(index) for index in range(len(self.rules)))
+        hi = min(state.evicted_at for state in self.states) // self.block_size
+        return lo, hi
+
+    def held_tokens(self) -> list[int]:
+        """Tokens each rule's layers hold after the last step start's decision."""
+        return [state.held for state in self.states]

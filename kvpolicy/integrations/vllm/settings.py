@@ -1,0 +1,183 @@
+"""What a vLLM user asks for (`additional_config={"kvpolicy": {...}}`) and what a paged engine can run of it.
+
+This module imports no vLLM: the same checks run in the tests of the main environment, and every refusal is
+one line naming the recipe key and what to use instead (vLLM shows it as the engine's start-up error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import KVPolicyError
+from ...plan import MAX_TOKENS, Budget, Plan
+from ...policies.base import Policy
+from ...policy_calls import PolicyGroup, call_policy, group_cells
+from ...recipe import load_recipe, with_budget
+from ...registry import Registry, get_registry
+from .schedule import BudgetRule
+
+CONFIG_KEY = "kvpolicy"
+SETTING_KEYS = ("recipe", "budget", "slack")
+PREFIX = f"vLLM additional_config[{CONFIG_KEY!r}]"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The user's entry: a recipe (built-in name, YAML path or mapping), optionally its budget and slack replaced."""
+
+    recipe: str | dict
+    budget: float | int | None = None  # a share of the prompt (0, 1], or tokens (an integer >= 1)
+    #: tokens a request may hold over its budget before one eviction; None: the recipe's, raised to a block's worth
+    slack: int | None = None
+
+
+def read_settings(additional_config: Any) -> Settings | None:
+    """The kvpolicy entry of vLLM's ``additional_config``; None when there is none (vLLM then runs stock)."""
+    if not isinstance(additional_config, dict) or CONFIG_KEY not in additional_config:
+        return None
+    raw = additional_config[CONFIG_KEY]
+    if isinstance(raw, str):  # the short form: {"kvpolicy": "h2o"}
+        raw = {"recipe": raw}
+    if not isinstance(raw, dict):
+        raise KVPolicyError(f"{PREFIX} must be a mapping such as {{\"recipe\": \"h2o\"}}, got {raw!r}")
+    unknown = sorted(set(raw) - set(SETTING_KEYS))
+    if unknown:
+        raise KVPolicyError(f"{PREFIX}: unknown key {unknown[0]!r}; the keys are {', '.join(SETTING_KEYS)}")
+    recipe = raw.get("recipe")
+    if not isinstance(recipe, (str, dict)) or not recipe:
+        raise KVPolicyError(f"{PREFIX}['recipe'] must name a built-in recipe, a YAML file or hold a recipe mapping, "
+                            f"got {recipe!r}")
+    budget = raw.get("budget")
+    if budget is not None and not _is_budget(budget):
+        raise KVPolicyError(f"{PREFIX}['budget'] must be a share of the prompt in (0, 1] (e.g. 0.2) or a whole "
+                            f"number of tokens from 1 to {MAX_TOKENS:,}, got {budget!r}")
+    slack = raw.get("slack")
+    if slack is not None and not (type(slack) is int and 0 <= slack <= MAX_TOKENS):
+        raise KVPolicyError(f"{PREFIX}['slack'] must be a whole number of tokens >= 0, got {slack!r}")
+    return Settings(recipe=recipe, budget=budget, slack=slack)
+
+
+def _is_budget(value: Any) -> bool:
+    if type(value) is int:
+        return 1 <= value <= MAX_TOKENS
+    return type(value) is float and 0.0 < value <= 1.0
+
+
+@dataclass
+class PagedLayer:
+    """One decoder layer as a paged engine runs it: its policies over the KV heads and its budget rule."""
+
+    groups: list[PolicyGroup]
+    rule: int  # index into PagedPlan.rules
+
+    @property
+    def needs(self) -> frozenset[str]:
+        return frozenset().union(*(g.policy.needs for g in self.groups))
+
+    @property
+    def last_rows_window(self) -> int:
+        return max([g.policy.last_rows_window for g in self.groups if "last_rows" in g.policy.needs] or [0])
+
+
+@dataclass
+class PagedPlan:
+    """A recipe resolved for one model, in the shape a paged engine needs: every layer bounded, one budget per layer."""
+
+    plan: Plan
+    layers: list[PagedLayer]
+    rules: tuple[BudgetRule, ...]  # the distinct layer budgets
+    slack: int
+
+    def describe(self) -> str:
+        budgets = ", ".join(rule.describe() for rule in self.rules)
+        return f"{self.plan.name}: {len(self.layers)} layers, budgets {budgets}, slack {self.slack}"
+
+
+def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_size: int,
+               registry: Registry | None = None) -> PagedPlan | None:
+    """Resolve the recipe for the model; None if it evicts nothing (``full``): vLLM then runs stock.
+
+    Raises KVPolicyError, in one line, for what paged blocks cannot hold: budgets that differ between the KV heads
+    of a layer (a block holds every head of its layer), layers without a budget beside bounded ones (a block
+    holds every layer), policies that set budgets themselves or re-rotate keys.
+    """
+    registry = registry or get_registry()
+    recipe = load_recipe(settings.recipe, registry)
+    if settings.budget is not None:
+        budget = Budget(tokens=settings.budget) if type(settings.budget) is int else Budget(ratio=settings.budget)
+        recipe = with_budget(recipe, dataclasses.replace(budget, slack=recipe.budget.slack))
+    plan = recipe.resolve(num_layers, num_kv_heads)
+    where = f"recipe {plan.name!r} ({plan.source})"
+    policies: dict[tuple[str, str], Policy] = {}
+    for layer in plan.layers:
+        for head in layer.heads:
+            if head.policy_key not in policies:
+                cls = registry.get(head.policy)
+                policies[head.policy_key] = call_policy(cls, "__init__", cls, head.params)
+    bounded = [any(h.budget.is_limited and policies[h.policy_key].evicts for h in layer.heads) for layer in plan.layers]
+    if not any(bounded):
+        return None
+    if not all(bounded):
+        free = [index for index, flag in enumerate(bounded) if not flag]
+        raise KVPolicyError(
+            f"{where}: layer(s) {_spans(free)} keep every token while the others evict; in vLLM a KV block holds "
+            "every layer, so no block could be freed. Give every layer a budget (budget: or layers: rules), "
+            "or serve without kvpolicy")
+    rules: list[BudgetRule] = []
+    layers: list[PagedLayer] = []
+    for index, layer in enumerate(plan.layers):
+        for head in layer.heads:
+            _check_policy(policies[head.policy_key], where, index)
+        budgets = {(h.budget.tokens, h.budget.ratio) for h in layer.heads}
+        if len(budgets) > 1:
+            raise KVPolicyError(
+                f"{where}: the KV heads of layer {index} have different budgets ({_budget_list(layer.heads)}); a vLLM "
+                "KV block holds every head of a layer, so a paged engine keeps one budget per layer. Use one budget "
+                "per layer (no `heads:` rules with their own budget)")
+        tokens, ratio = budgets.pop()
+        rule = BudgetRule(tokens=tokens, ratio=ratio)
+        if rule not in rules:
+            rules.append(rule)
+        groups = group_cells([[h.policy_key for h in layer.heads]], policies)
+        layers.append(PagedLayer(groups=groups, rule=rules.index(rule)))
+    recipe_slack = max(h.budget.slack for layer in plan.layers for h in layer.heads)
+    # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
+    slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
+    return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack)
+
+
+def _check_policy(policy: Policy, where: str, layer: int) -> None:
+    name = policy.name
+    if policy.allocates:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) splits each layer's budget among its KV heads, but a vLLM KV "
+            "block holds every head of a layer; use a policy with one budget per layer (h2o, snapkv, tova)")
+    if policy.dynamic_budget or policy.profile_needs:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) sets each KV head's budget itself, but a vLLM KV block holds "
+            "every head of a layer; use a policy with one budget per layer (h2o, snapkv, tova)")
+    if policy.in_cache_positions:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) has params.positions: in_cache, which re-rotates cached keys at "
+            "every step; vLLM keeps keys at their original positions: use positions: original")
+    if policy.needs_token_ids:
+        raise KVPolicyError(f"{where}: policy {name!r} (layer {layer}) reads token ids, which the vLLM integration "
+                            "does not keep per slot; use a policy that scores by attention or position")
+    if policy.drops_early:
+        raise KVPolicyError(f"{where}: policy {name!r} (layer {layer}) drops tokens below the budget, so the heads "
+                            "of a layer would hold different counts; a paged engine needs one count per layer")
+
+
+def _budget_list(heads: list) -> str:
+    return ", ".join(sorted({h.budget.describe() for h in heads}))
+
+
+def _spans(indices: list[int]) -> str:
+    spans, start = [], indices[0]
+    for previous, current in zip(indices, indices[1:] + [None]):
+        if current != previous + 1 if current is not None else True:
+            spans.append(str(start) if start == previous else f"{start}-{previous}")
+            start = current
+    return ", ".join(spans)

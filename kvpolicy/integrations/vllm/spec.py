@@ -1,0 +1,76 @@
+"""The scheduler side: a KV cache spec that carries the recipe's layer budgets, and a manager that frees blocks.
+
+vLLM's scheduler never sees attention; it sees how many tokens each request has processed whenever it schedules
+it. That is all `schedule.RequestSchedule` needs to know when the worker evicts, so the manager runs the same
+rule and returns the emptied blocks to the pool (as vLLM's sliding-window managers do with blocks that left
+their window), one step after the eviction that emptied them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+from .schedule import BudgetRule, RequestSchedule
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVPolicySpec(FullAttentionSpec):
+    """Full attention whose requests keep ``rules`` budgets (tokens, ratio) per layer, plus ``slack`` tokens."""
+
+    kvpolicy_rules: tuple[tuple[int | None, float | None], ...] = ()
+    kvpolicy_slack: int = 0
+
+    @classmethod
+    def from_spec(cls, spec: FullAttentionSpec, rules: tuple[BudgetRule, ...], slack: int) -> KVPolicySpec:
+        given = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
+        return cls(**given, kvpolicy_rules=tuple((r.tokens, r.ratio) for r in rules), kvpolicy_slack=slack)
+
+    @classmethod
+    def merge(cls, specs: list[KVPolicySpec]) -> KVPolicySpec:
+        policies = {(s.kvpolicy_rules, s.kvpolicy_slack) for s in specs}
+        if len(policies) != 1:
+            raise ValueError(f"kvpolicy: the layers of one KV cache group disagree on their budgets: {policies}")
+        base = FullAttentionSpec.merge(specs)
+        rules, slack = policies.pop()
+        return cls.from_spec(base, tuple(BudgetRule(*rule) for rule in rules), slack)
+
+    def rules(self) -> tuple[BudgetRule, ...]:
+        return tuple(BudgetRule(*rule) for rule in self.kvpolicy_rules)
+
+
+class KVPolicyManager(FullAttentionManager):
+    """Frees the blocks a request's evictions emptied (`RequestSchedule.empty_blocks`), replaced by the null block."""
+
+    def __init__(self, kv_cache_spec: KVPolicySpec, **kwargs) -> None:
+        super().__init__(kv_cache_spec, **kwargs)
+        self.rules = kv_cache_spec.rules()
+        self.slack = kv_cache_spec.kvpolicy_slack
+        self.schedules: dict[str, RequestSchedule] = {}
+        #: the most blocks each live request has held at once (null blocks excluded), for reports and tests
+        self.peak_blocks: dict[str, int] = {}
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: int | None = None) -> None:
+        schedule = self.schedules.get(request_id)
+        if schedule is None:
+            schedule = self.schedules[request_id] = RequestSchedule(self.rules, self.slack, self.block_size)
+        # blocks emptied at earlier step starts only: the step about to run may still read the ones it empties
+        lo, hi = schedule.empty_blocks()
+        prompt = num_prompt_tokens if num_prompt_tokens is not None else processed_computed_tokens + 1
+        schedule.start_step(processed_computed_tokens, prefilling=processed_computed_tokens < prompt)
+        self._remove_blocks_in_range(request_id, lo, hi)
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is not None:
+            held = sum(1 for block in blocks if not block.is_null)
+            self.peak_blocks[request_id] = max(self.peak_blocks.get(request_id, 0), held)
+
+    def free(self, request_id: str) -> None:
+        self.schedules.pop(request_id, None)
+        super().free(request_id)
+
+    def held_blocks(self) -> dict[str, int]:
+        """Blocks each live request holds now (null blocks excluded)."""
+        return {rid: sum(1 for b in blocks if not b.is_null) for rid, blocks in self.req_to_blocks.items()}
