@@ -115,7 +115,7 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
             evicting = [r for r in requests if r[5][rule]]
             evict = None
             if evicting:
-                rows = RowBlocks.of([self._physical(table, r[0], r[4][rule]) for r in evicting])
+                rows = RowBlocks.of([self._physical(table, r[0], r[4][rule]) for r in evicting], block_size)
                 budget = torch.tensor([r[3].states[rule].budget for r in evicting], dtype=torch.long)
                 seen = torch.tensor([r[1] for r in evicting], dtype=torch.long)
                 arena = torch.tensor([r[3].arena(rule) for r in evicting], dtype=torch.long)
@@ -124,7 +124,8 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
             for decode in (True, False):
                 group = [r for r in requests if (r[2] - r[1] == 1) == decode]
                 if group:
-                    rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group])
+                    rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group],
+                                        block_size)
                     attend.append((rows, *self._queries(group, starts)))
             rules.append(RuleStep(evict, attend))
         return StepPlan(rules, positions)

@@ -60,46 +60,54 @@ class PagedLayerCache:
 
 @dataclass
 class RowBlocks:
-    """The blocks a batch of requests reads in one layer, in logical order, padded with block 0 (vLLM's null block).
+    """The slots a batch of requests reads in one layer: each request's blocks in logical order, cut at its last
+    token and left-padded with block 0 (vLLM's null block), so that every request's newest tokens end the row as
+    they do in a dense cache.
 
-    ``arena`` counts the leading blocks whose slots hold kept tokens in any order (their stored positions say
-    which; 0 before the request's first eviction); the other blocks hold tokens at their own positions, valid
-    from ``first`` to ``end`` (the tokens in so far).
+    ``arena`` counts the leading logical blocks whose slots hold kept tokens in any order (their stored positions
+    say which; 0 before the request's first eviction); the other blocks hold tokens at their own positions,
+    valid from ``first`` to ``end`` (the tokens in so far).
     """
 
-    blocks: torch.Tensor  # [R, nblk] int64 physical block ids
-    logical: torch.Tensor  # [R, nblk] int64 logical block index, -1 for padding
+    block: torch.Tensor  # [R, T] int64 physical block of each slot
+    offset: torch.Tensor  # [R, T] int64 slot within its block
+    logical: torch.Tensor  # [R, T] int64 logical block of each slot, -1 for padding
     arena: torch.Tensor  # [R] int64
     first: torch.Tensor  # [R] int64
     end: torch.Tensor  # [R] int64
 
     @classmethod
-    def of(cls, rows: list[tuple[list[int], list[int], int, int, int]]) -> RowBlocks:
+    def of(cls, rows: list[tuple[list[int], list[int], int, int, int]], block_size: int) -> RowBlocks:
         """From (physical blocks, logical blocks, arena blocks, first position, end) per row."""
-        width = max(1, max(len(physical) for physical, *_ in rows))
-        blocks = torch.zeros(len(rows), width, dtype=torch.long)
+        per_row = []
+        for physical, logical, arena, _, end in rows:
+            offset = torch.arange(block_size).repeat(len(physical))
+            logical_slot = torch.tensor(logical, dtype=torch.long).repeat_interleave(block_size)
+            block = torch.tensor(physical, dtype=torch.long).repeat_interleave(block_size)
+            # slots past the last token (the rest of the block being filled) are never read
+            keep = (logical_slot < arena) | (logical_slot * block_size + offset < end)
+            per_row.append((block[keep], offset[keep], logical_slot[keep]))
+        width = max(1, max(len(block) for block, _, _ in per_row))
+        block = torch.zeros(len(rows), width, dtype=torch.long)
+        offset = torch.zeros(len(rows), width, dtype=torch.long)
         logical = torch.full((len(rows), width), -1, dtype=torch.long)
-        for index, (physical, logical_ids, *_) in enumerate(rows):
-            blocks[index, : len(physical)] = torch.tensor(physical, dtype=torch.long)
-            logical[index, : len(logical_ids)] = torch.tensor(logical_ids, dtype=torch.long)
+        for index, (row_block, row_offset, row_logical) in enumerate(per_row):
+            size = len(row_block)
+            block[index, width - size:], offset[index, width - size:] = row_block, row_offset
+            logical[index, width - size:] = row_logical
         numbers = torch.tensor([row[2:] for row in rows], dtype=torch.long).view(len(rows), 3)
-        return cls(blocks, logical, numbers[:, 0], numbers[:, 1], numbers[:, 2])
+        return cls(block, offset, logical, numbers[:, 0], numbers[:, 1], numbers[:, 2])
 
-    def slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Physical (block, offset) of every gathered slot: two [R, T] tensors."""
-        rows, width = self.blocks.shape
-        offset = torch.arange(block_size).repeat(width).expand(rows, -1)
-        return self.blocks.repeat_interleave(block_size, dim=1), offset
+    def within(self, arena: torch.Tensor) -> torch.Tensor:
+        """[R, T] bool: the slots of each request's first ``arena`` [R] logical blocks."""
+        return (self.logical >= 0) & (self.logical < arena[:, None])
 
     def layout(self, stored: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [R, Hkv, T] int64, -1 where empty; valid [R, Hkv, T]) from the ``stored`` positions gathered."""
-        offset = torch.arange(block_size).repeat(self.logical.shape[1])
-        logical_block = self.logical.repeat_interleave(block_size, dim=1)
-        in_place = logical_block * block_size + offset  # [R, T]: the position a slot's token has if it never moved
-        in_arena = torch.arange(logical_block.shape[1])[None, :] < (self.arena * block_size)[:, None]
-        placed_ok = (logical_block >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
+        in_place = self.logical * block_size + self.offset  # the position a slot's token has if it never moved
+        placed_ok = (self.logical >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
         stored = stored.long()
-        valid = torch.where(in_arena[:, None], stored >= 0, placed_ok[:, None])
+        valid = torch.where(self.within(self.arena)[:, None], stored >= 0, placed_ok[:, None])
         return torch.where(valid, stored, -1), valid
 
 
@@ -134,15 +142,14 @@ class PagedPolicies:
               arena: torch.Tensor) -> None:
         """Keep each (request, KV head)'s ``budget`` [R] best tokens of ``rows`` in the request's first ``arena`` [R]
         blocks: kept tokens already there stay, the others move into the slots freed there."""
-        block_size = cache.block_size
-        block, offset = rows.slots(block_size)
-        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), block_size)
+        block, offset = rows.block, rows.offset
+        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), cache.block_size)
         state = self._gather_state(cache, block, offset)
         heads = positions.shape[1]
         view = TokenView(positions=positions, valid=valid, seen=seen, budget=budget[:, None].expand(-1, heads))
         scores = self.scores(state, view)
         keep = top_kept(scores, torch.minimum(view.budget, valid.sum(dim=2)))
-        in_arena = (torch.arange(positions.shape[2])[None, :] < (arena * block_size)[:, None])[:, None]
+        in_arena = rows.within(arena)[:, None]
         holes = in_arena & ~keep
         incoming = keep & ~in_arena
         hole_order = (~holes).to(torch.int8).argsort(dim=2, stable=True)  # each cell's holes first, in slot order
@@ -165,9 +172,8 @@ class PagedPolicies:
         """Attention of ``query`` [N, Hq, D] rows ``query_index`` [R, q] (-1: pad; a request's tokens right-aligned)
         at ``query_positions`` [R, q] over the requests' blocks; the policies observe its statistics.
         Returns the output [R, q, Hq, D]."""
-        block_size = cache.block_size
-        block, offset = rows.slots(block_size)
-        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), block_size)
+        block, offset = rows.block, rows.offset
+        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), cache.block_size)
         keys = cache.keys[block, :, offset].transpose(1, 2)  # [R, Hkv, T, D]
         values = cache.values[block, :, offset].transpose(1, 2)
         query_valid = query_index >= 0

@@ -80,7 +80,7 @@ class RequestSchedule:
             self.prompt_tokens = start
         added = start - self.last_start
         decision = []
-        for rule, state in zip(self.rules, self.states):
+        for rule, state in zip(self.rules, self.states, strict=True):
             if state.budget is None:
                 state.budget = rule.resolve(self.prompt_tokens)
             count = state.held + added

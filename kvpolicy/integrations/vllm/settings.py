@@ -116,6 +116,9 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
             if head.policy_key not in policies:
                 cls = registry.get(head.policy)
                 policies[head.policy_key] = call_policy(cls, "__init__", cls, head.params)
+    for index, layer in enumerate(plan.layers):
+        for head in layer.heads:
+            _check_policy(policies[head.policy_key], where, index)
     bounded = [any(h.budget.is_limited and policies[h.policy_key].evicts for h in layer.heads) for layer in plan.layers]
     if not any(bounded):
         return None
@@ -128,8 +131,6 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     rules: list[BudgetRule] = []
     layers: list[PagedLayer] = []
     for index, layer in enumerate(plan.layers):
-        for head in layer.heads:
-            _check_policy(policies[head.policy_key], where, index)
         budgets = {(h.budget.tokens, h.budget.ratio) for h in layer.heads}
         if len(budgets) > 1:
             raise KVPolicyError(
@@ -176,7 +177,7 @@ def _budget_list(heads: list) -> str:
 
 def _spans(indices: list[int]) -> str:
     spans, start = [], indices[0]
-    for previous, current in zip(indices, indices[1:] + [None]):
+    for previous, current in zip(indices, indices[1:] + [None], strict=True):
         if current != previous + 1 if current is not None else True:
             spans.append(str(start) if start == previous else f"{start}-{previous}")
             start = current

@@ -1,0 +1,268 @@
+"""The vLLM integration's pure parts (no vLLM): settings, the eviction schedule, and the paged cache against
+kvpolicy's own dense layer (`PolicyLayer`) driven with the same tokens.
+
+The paged side is driven the way vLLM drives it: blocks allocated as a request grows, the blocks the scheduler's
+schedule says are empty returned to a pool one step later (and handed to the other request), a slot mapping
+from the block table, every request of the batch in one call. Both sides must give the same attention output
+at every step and keep the same positions in every KV head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpolicy.backend.dispatch import attend
+from kvpolicy.errors import KVPolicyError
+from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks
+from kvpolicy.integrations.vllm.schedule import BudgetRule, RequestSchedule
+from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
+from kvpolicy.layer import PolicyLayer
+from kvpolicy.policy_calls import group_cells
+from kvpolicy.recipe import load_recipe
+from kvpolicy.registry import get_registry
+
+HKV, GROUPS, DIM, BLOCK = 2, 2, 8, 4
+
+
+def recipe(policy: str, budget: dict, slack: int, params: dict | None = None) -> dict:
+    return {"kvpolicy": 1, "name": policy, "policy": policy, "params": params or {}, "budget": {**budget, "slack": slack}}
+
+
+def dense_layer(spec: dict) -> PolicyLayer:
+    plan = load_recipe(spec).resolve(1, HKV)
+    registry = get_registry()
+    policies = {}
+    for head in plan.layers[0].heads:
+        cls = registry.get(head.policy)
+        policies.setdefault(head.policy_key, cls(head.params))
+    groups = group_cells([[h.policy_key for h in plan.layers[0].heads]], policies)
+    return PolicyLayer(0, [plan.layers[0]], groups)
+
+
+class PagedRequest:
+    """One request as vLLM's scheduler and worker see it, over a shared pool of blocks."""
+
+    def __init__(self, pool: list[int], rules, slack: int, prompt: int):
+        self.pool, self.blocks, self.prompt, self.done = pool, [], prompt, 0
+        self.manager_view = RequestSchedule(rules, slack, BLOCK)  # the scheduler's copy
+        self.worker_view = RequestSchedule(rules, slack, BLOCK)  # the worker's copy
+
+    def schedule(self, count: int) -> None:
+        """What vLLM's manager does before a step of ``count`` tokens: free, then allocate."""
+        lo, hi = self.manager_view.empty_blocks()
+        self.manager_view.start_step(self.done, prefilling=self.done < self.prompt)
+        for logical in range(lo, min(hi, len(self.blocks))):
+            if self.blocks[logical] is not None:
+                self.pool.append(self.blocks[logical])
+                self.blocks[logical] = None
+        while len(self.blocks) < math.ceil((self.done + count) / BLOCK):
+            self.blocks.append(self.pool.pop(0))
+
+    def slots(self, count: int) -> torch.Tensor:
+        positions = torch.arange(self.done, self.done + count)
+        return torch.tensor([self.blocks[p // BLOCK] for p in positions.tolist()]) * BLOCK + positions % BLOCK
+
+    def rows(self, end: int, schedule: RequestSchedule) -> tuple:
+        logical, first = schedule.live_blocks(0, end)
+        evicted = schedule.states[0].evicted_at is not None
+        return [self.blocks[i] for i in logical], logical, schedule.arena(0) if evicted else 0, first, end
+
+
+def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
+    """``steps``: tokens per request per step (0: the request sits the step out). Returns the largest difference
+    between the two sides' attention outputs over every step."""
+    torch.manual_seed(seed)
+    requests = len(steps[0])
+    prompts = [steps[0][r] for r in range(requests)]
+    dense = [dense_layer(spec) for _ in range(requests)]
+    plan = paged_plan(Settings(recipe=spec, slack=spec["budget"]["slack"]), 1, HKV, BLOCK)
+    layer = plan.layers[0]
+    policies = PagedPolicies(layer.groups)
+    total_blocks = 64
+    kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM)
+    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.groups)
+    pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
+    paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
+    worst = 0.0
+    for counts in steps:
+        active = [r for r in range(requests) if counts[r]]
+        for r in active:
+            paged[r].schedule(counts[r])
+        keys = {r: torch.randn(1, HKV, counts[r], DIM) for r in active}
+        values = {r: torch.randn(1, HKV, counts[r], DIM) for r in active}
+        queries = {r: torch.randn(1, HKV * GROUPS, counts[r], DIM) for r in active}
+        # the worker: evictions first, then the new tokens, then attention for the whole batch
+        evicting, befores = [], {}
+        for r in active:
+            request = paged[r]
+            befores[r] = request.rows(request.done, request.worker_view)
+            if request.worker_view.start_step(request.done, prefilling=request.done < request.prompt)[0]:
+                evicting.append(r)
+        if evicting:
+            rows = RowBlocks.of([befores[r] for r in evicting], BLOCK)
+            state = [paged[r].worker_view for r in evicting]
+            policies.evict(cache, rows, torch.tensor([s.states[0].budget for s in state]),
+                           torch.tensor([paged[r].done for r in evicting]), torch.tensor([s.arena(0) for s in state]))
+        for r in active:
+            request = paged[r]
+            cache.write(keys[r][0].transpose(0, 1), values[r][0].transpose(0, 1), request.slots(counts[r]),
+                        torch.arange(request.done, request.done + counts[r]))
+        width = max(counts[r] for r in active)
+        flat_query = torch.cat([queries[r][0].transpose(0, 1) for r in active])
+        index = torch.full((len(active), width), -1)
+        query_positions = torch.full((len(active), width), -1)
+        offset = 0
+        for i, r in enumerate(active):
+            index[i, width - counts[r]:] = torch.arange(offset, offset + counts[r])
+            query_positions[i, width - counts[r]:] = torch.arange(paged[r].done, paged[r].done + counts[r])
+            offset += counts[r]
+        rows = RowBlocks.of([paged[r].rows(paged[r].done + counts[r], paged[r].worker_view) for r in active], BLOCK)
+        out = policies.attend(cache, rows, flat_query, index, query_positions, 0.3)
+        for i, r in enumerate(active):
+            layer_ref = dense[r]
+            layer_ref.append(keys[r], values[r])
+            call = layer_ref.begin_call(None, 0.3)
+            result = attend(queries[r], call)
+            layer_ref.end_call(result.stats)
+            mine = out[i, width - counts[r]:]
+            worst = max(worst, (mine - result.output[0]).abs().max().item())
+            paged[r].done += counts[r]
+    return worst
+
+
+def kept_positions_paged(cache, rows: RowBlocks) -> list[list[int]]:
+    block, offset = rows.block, rows.offset
+    positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), BLOCK)
+    return [sorted(positions[0, h][valid[0, h]].tolist()) for h in range(HKV)]
+
+
+DECODE = [[1, 1]] * 40
+
+
+@pytest.mark.parametrize("policy,params", [
+    ("h2o", {"recent_ratio": 0.5}), ("streaming", {"sinks": 2}), ("window", {}), ("tova", {}),
+    ("scissorhands", {}), ("roco", {}), ("snapkv", {"window": 3}),
+])
+def test_paged_matches_dense_layer_step_by_step(policy, params):
+    # two requests of different prompt lengths, one prefilled in two chunks, decoding together
+    steps = [[9, 0], [7, 13], *DECODE]
+    worst = run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps)
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize("slack", [0, 1, BLOCK - 1, 2 * BLOCK + 1])
+def test_ratio_budgets_and_any_slack(slack):
+    # a ratio budget resolves from the prompt once it is in (one pass each here, as the dense layer resolves it)
+    steps = [[23, 18], *DECODE]
+    assert run_both(recipe("h2o", {"ratio": 0.4}, slack=slack), steps, seed=slack) < 1e-5
+
+
+def test_paged_and_dense_keep_the_same_tokens():
+    spec = recipe("h2o", {"tokens": 8}, slack=BLOCK - 1)
+    torch.manual_seed(3)
+    plan = paged_plan(Settings(recipe=spec, slack=BLOCK - 1), 1, HKV, BLOCK)
+    policies = PagedPolicies(plan.layers[0].groups)
+    kv = torch.zeros(16, HKV, BLOCK, 2 * DIM)
+    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], plan.layers[0].groups)
+    dense = dense_layer(spec)
+    pool = list(range(1, 16))
+    request = PagedRequest(pool, plan.rules, plan.slack, prompt=11)
+    for count in [11] + [1] * 20:
+        request.schedule(count)
+        before = request.rows(request.done, request.worker_view)
+        if request.worker_view.start_step(request.done, prefilling=False)[0]:
+            state = request.worker_view
+            policies.evict(cache, RowBlocks.of([before], BLOCK), torch.tensor([state.states[0].budget]),
+                           torch.tensor([request.done]), torch.tensor([state.arena(0)]))
+            assert kept_positions_paged(cache, RowBlocks.of([request.rows(request.done, state)], BLOCK)) == \
+                dense.kept_positions()[0]
+        keys, values = torch.randn(1, HKV, count, DIM), torch.randn(1, HKV, count, DIM)
+        cache.write(keys[0].transpose(0, 1), values[0].transpose(0, 1), request.slots(count),
+                    torch.arange(request.done, request.done + count))
+        query = torch.randn(1, HKV * GROUPS, count, DIM)
+        index = torch.arange(count)[None]
+        policies.attend(cache, RowBlocks.of([request.rows(request.done + count, request.worker_view)], BLOCK),
+                        query[0].transpose(0, 1), index, torch.arange(request.done, request.done + count)[None], 0.3)
+        dense.append(keys, values)
+        dense.end_call(attend(query, dense.begin_call(None, 0.3)).stats)
+        request.done += count
+    assert request.worker_view.states[0].evicted_at is not None
+
+
+def test_schedule_frees_whole_blocks_and_holds_the_budget():
+    rule = BudgetRule(ratio=0.2)
+    schedule = RequestSchedule((rule,), slack=31, block_size=32)
+    prompt = 1500
+    schedule.start_step(0, prefilling=True)
+    schedule.start_step(prompt, prefilling=False)
+    budget = schedule.states[0].budget
+    assert budget == math.ceil(prompt * 0.2) and schedule.arena(0) == math.ceil(budget / 32)
+    held_blocks = []
+    for done in range(prompt + 1, prompt + 300):
+        lo, hi = schedule.empty_blocks()
+        schedule.start_step(done, prefilling=False)
+        held = schedule.arena(0) + (math.ceil(done / 32) - max(hi, schedule.arena(0)))
+        held_blocks.append(held)
+        assert schedule.held_tokens()[0] <= budget + 31
+    # steady state: the arena plus the block being filled and the one emptied a step ago
+    assert max(held_blocks[64:]) <= schedule.arena(0) + 2
+
+
+def test_schedule_waits_for_the_prompt_and_answers_a_repeated_start_alike():
+    schedule = RequestSchedule((BudgetRule(ratio=0.5), BudgetRule(tokens=8)), slack=0, block_size=4)
+    assert schedule.start_step(0, prefilling=True) == (False, False)
+    assert schedule.start_step(12, prefilling=True) == (False, True)  # tokens known; the ratio waits
+    assert schedule.start_step(12, prefilling=True) == (False, True)
+    assert schedule.start_step(20, prefilling=False) == (True, True)
+    assert schedule.states[0].budget == 10
+    with pytest.raises(ValueError, match="go forward"):
+        schedule.start_step(5, prefilling=False)
+
+
+# --- settings: what a user writes, and what a paged engine refuses -------------------------------------------
+
+
+def test_settings_read_the_users_entry():
+    assert read_settings({}) is None
+    assert read_settings({"other": 1}) is None
+    assert read_settings({"kvpolicy": "h2o"}) == Settings(recipe="h2o")
+    assert read_settings({"kvpolicy": {"recipe": "h2o", "budget": 0.1, "slack": 0}}) == Settings("h2o", 0.1, 0)
+    for bad, words in [
+        ({"kvpolicy": 3}, "must be a mapping"),
+        ({"kvpolicy": {"recipe": "h2o", "budgte": 0.2}}, "unknown key 'budgte'"),
+        ({"kvpolicy": {"recipe": 7}}, "\\['recipe'\\]"),
+        ({"kvpolicy": {"recipe": "h2o", "budget": 1.5}}, "\\['budget'\\]"),
+        ({"kvpolicy": {"recipe": "h2o", "budget": True}}, "\\['budget'\\]"),
+        ({"kvpolicy": {"recipe": "h2o", "slack": -1}}, "\\['slack'\\]"),
+    ]:
+        with pytest.raises(KVPolicyError, match=words):
+            read_settings(bad)
+
+
+def test_paged_plan_of_the_builtin_recipes():
+    for name in ("window", "streaming", "h2o", "tova", "scissorhands", "roco", "snapkv", "pyramidkv"):
+        plan = paged_plan(Settings(recipe=name), 30, 3, 32)
+        assert plan is not None and len(plan.layers) == 30 and plan.slack >= 31, name
+    assert len(paged_plan(Settings(recipe="pyramidkv"), 30, 3, 32).rules) > 1  # a budget per layer
+    assert paged_plan(Settings(recipe="full"), 30, 3, 32) is None  # evicts nothing: vLLM runs stock
+    assert paged_plan(Settings(recipe="h2o", slack=0), 30, 3, 32).slack == 0
+    assert paged_plan(Settings(recipe="h2o", budget=64), 30, 3, 32).rules == (BudgetRule(tokens=64),)
+
+
+@pytest.mark.parametrize("spec,words", [
+    ("adakv", "splits each layer's budget among its KV heads"),
+    ("fastgen", "sets each KV head's budget itself"),
+    ({"kvpolicy": 1, "policy": "streaming", "params": {"positions": "in_cache"}, "budget": {"tokens": 64}},
+     "positions: in_cache"),
+    ({"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2}, "layers": [{"layers": "0-1", "policy": "full"}]},
+     "layer\\(s\\) 0-1 keep every token"),
+    ({"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2}, "heads": [{"heads": "0", "budget": {"tokens": 9}}]},
+     "KV heads of layer 0 have different budgets"),
+])
+def test_paged_plan_refuses_what_blocks_cannot_hold(spec, words):
+    with pytest.raises(KVPolicyError, match=words) as info:
+        paged_plan(Settings(recipe=spec), 30, 3, 32)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,66 @@
+"""Runs jobs on vLLM (in the vLLM environment) for tests/test_vllm.py: one engine per job, results as JSON lines.
+
+    python driver.py JOBS.json     # [{"model": dir, "config": {...} | null, "prompts": [[ids]...], "max_tokens": n,
+                                   #   "engine": {LLM keyword arguments}}, ...]
+
+Each result: the generated token ids per prompt, and the most KV blocks each request held at once, read from
+the scheduler's block manager (kvpolicy's manager records it; the stock one is read from its block table).
+The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that its scheduler can be read.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def managers(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    return core.scheduler.kv_cache_manager.coordinator.single_type_managers
+
+
+def run(job):
+    from vllm import LLM, SamplingParams
+
+    engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False, "block_size": 32,
+              "max_model_len": 2048, "kv_cache_memory_bytes": 128 << 20, **job.get("engine", {})}
+    if job.get("config") is not None:
+        engine["additional_config"] = {"kvpolicy": job["config"]}
+    try:
+        llm = LLM(model=job["model"], **engine)
+    except Exception as exc:  # the test reads the reason
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    manager = managers(llm)[0]
+    peaks = {}
+    original = manager.remove_skipped_blocks
+
+    def watch(request_id, processed, num_prompt_tokens=None):
+        original(request_id, processed, num_prompt_tokens)
+        blocks = manager.req_to_blocks.get(request_id, [])
+        held = sum(1 for block in blocks if not block.is_null)
+        peaks.setdefault(request_id, []).append((processed, held, manager.block_pool.get_num_free_blocks()))
+
+    manager.remove_skipped_blocks = watch
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
+    result = {
+        "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+        # requests reach the scheduler in prompt order (vLLM adds a suffix to their ids)
+        "blocks": list(peaks.values()),
+        "pool_blocks": manager.block_pool.num_gpu_blocks,
+        "block_size": manager.block_size,
+        "manager": type(manager).__name__,
+    }
+    del llm
+    return result
+
+
+def main():
+    jobs = json.load(open(sys.argv[1]))
+    for job in jobs:
+        print("RESULT " + json.dumps(run(job)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
