@@ -17,6 +17,9 @@ A block may be preceded (on its last non-blank line before the fence) by one dir
 - ``<!-- docs-test: same-as PATH -->``: the block's text must appear verbatim in the
   repository file PATH (a walk-through that quotes an example cannot drift from it);
   python blocks still run; yaml and toml blocks are only compared.
+- ``<!-- docs-test: vllm ROLE -->``: run by tests/test_vllm.py in the vLLM environment, not here:
+  ``vllm engine`` (python, run as is), ``vllm serve`` (bash: the server the serve test starts),
+  ``vllm client`` (python, run against that server).
 
 Run as a script (``python tests/docs_snippets.py --report FILE PAGE...``), in a scratch
 folder where ``recipes`` and ``plugins`` link to the repository's, it runs the pages one
@@ -40,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 FENCE = re.compile(r"^(?P<fence>```+|~~~+)(?P<lang>[\w+-]*)\s*$")
-DIRECTIVE = re.compile(r"^<!-- docs-test: (?P<what>skip|exit|same-as)(?::|\s)\s*(?P<arg>.*?)\s*-->$")
+DIRECTIVE = re.compile(r"^<!-- docs-test: (?P<what>skip|exit|same-as|vllm)(?::|\s)\s*(?P<arg>.*?)\s*-->$")
 RUN = ("python", "bash", "yaml", "toml")
 NOT_RUN = ("text", "")
 #: SmolLM2-135M: decoder layers, KV heads (what `kvpolicy validate` assumes by default)
@@ -53,7 +56,7 @@ class Block:
     line: int  # 1-based line of the first code line
     lang: str
     code: str
-    directive: str | None = None  # skip, exit, same-as
+    directive: str | None = None  # skip, exit, same-as, vllm
     arg: str = ""
 
     @property
@@ -88,6 +91,8 @@ def blocks(page: Path) -> list[Block]:
             block.directive, block.arg = found["what"], found["arg"]
             if block.directive == "skip" and len(block.arg) < 10:
                 raise ValueError(f"{name}:{start}: a skip needs its reason: <!-- docs-test: skip: WHY -->")
+            if block.directive == "vllm" and block.arg not in ("engine", "serve", "client"):
+                raise ValueError(f"{name}:{start}: <!-- docs-test: vllm ROLE -->: ROLE is engine, serve or client")
         if block.lang not in RUN + NOT_RUN:
             raise ValueError(f"{block.where}: snippet language {block.lang!r} is neither run ({', '.join(RUN)}) "
                              "nor plain text (text)")
@@ -169,7 +174,7 @@ def run_page(page: Path, scratch: Path) -> int:
     sys.modules[module.__name__] = module  # so that dataclasses and typing find the snippet's globals
     ran = 0
     for block in blocks(page):
-        if block.directive == "skip" or block.lang in NOT_RUN:
+        if block.directive in ("skip", "vllm") or block.lang in NOT_RUN:
             continue
         if block.directive == "same-as":
             check_same_as(block)

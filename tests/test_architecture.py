@@ -47,7 +47,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
 LAYER_NAMES = {0: "policy side", 1: "kernels and storage", 2: "engine integrations", 3: "commands"}
 
 # third-party packages the lower layers never import (the extras: an engine that installs the core has none)
-NOT_BELOW_ENGINES = {"transformers", "rich", "matplotlib", "gguf", "accelerate", "safetensors"}
+NOT_BELOW_ENGINES = {"transformers", "rich", "matplotlib", "gguf", "accelerate", "safetensors", "vllm"}
 TRITON_ONLY_IN = "kvpolicy.backend"
 
 # Edges that break the rules today, in files being rewritten by the cache refactor (issue #13); each goes when

@@ -21,7 +21,7 @@ from kvpolicy.commands import docgen
 from kvpolicy.registry import Registry
 
 PAGES = sorted(DOCS.rglob("*.md"))
-RUNNABLE = [p for p in PAGES if any(b.directive != "skip" and b.lang not in ("text", "") for b in blocks(p))]
+RUNNABLE = [p for p in PAGES if any(b.directive not in ("skip", "vllm") and b.lang not in ("text", "") for b in blocks(p))]
 #: Skipped snippets are for what cannot run in a test (a fresh install, a 7-minute sweep): keep them rare.
 MAX_SKIPS = 6
 REGENERATE = "run `python -m kvpolicy.commands.docgen` and commit the pages it updates"

@@ -32,12 +32,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
              f"(default: {' '.join(DEFAULT_RECIPES)})")
     add("--recipe", help="the recipe of a --stream-tokens run (default: h2o)")
     add("--budget", help="override every recipe's budget: a ratio (0.2) or tokens (512)")
-    add("--kv-memory", default="512MiB", help="KV cache memory cap, e.g. 512MiB or 2GiB (default: 512MiB)")
+    add("--kv-memory", default=None,
+        help="KV cache memory cap, e.g. 512MiB or 2GiB (default: 512MiB; with --engine vllm: 2.5 full-cache requests)")
     add("--prompt-tokens", type=int, default=2048, help="longest prompt of a batch (default: 2048)")
     add("--spread", type=float, default=0.25,
         help="prompts of a batch run from (1 - spread) x --prompt-tokens up to it, left-padded (default: 0.25)")
     add("--new-tokens", type=int, default=128, help="tokens generated per sequence (default: 128)")
-    add("--max-batch", type=int, default=64, help="never run batches larger than this (default: 64)")
+    add("--max-batch", type=int, default=None,
+        help="never run batches larger than this (default: 64); with --engine vllm, the requests arriving together "
+             "(default: 8)")
     add("--repeats", type=int, default=4, help="decode rounds per configuration; medians reported (default: 4)")
     add("--stream-tokens", type=int, help="run the long-stream memory check over this many tokens instead")
     add("--stream-budget", type=int, default=1024,
@@ -50,6 +53,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads, fixed for the run and printed (default: all cores on CPU)")
     add("--text-file", help="text to take prompts from (default: the pydoc topics that ship with CPython)")
     add("--out", help="output folder (default: runs/bench-<timestamp>)")
+    add("--engine", choices=["transformers", "vllm"], default="transformers",
+        help="transformers (default), or vllm: requests served by vLLM under a fixed KV memory, full cache vs "
+             "recipes (runs in the vLLM environment: docs/vllm.md)")
+    add("--vllm-python", help="the vLLM environment's Python (default: $KVPOLICY_VLLM_PYTHON or .venv-vllm/bin/python)")
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -130,6 +137,9 @@ def plot_stream(results: list[dict], path: Path) -> Path:
 
 # --- entry point -----------------------------------------------------------------------------------------
 def _check(args: argparse.Namespace) -> None:
+    args.max_batch_given = args.max_batch is not None
+    if args.max_batch is None:
+        args.max_batch = 64
     for flag, value in (("--prompt-tokens", args.prompt_tokens), ("--new-tokens", args.new_tokens),
                         ("--max-batch", args.max_batch), ("--repeats", args.repeats), ("--every", args.every),
                         ("--stream-chunk", args.stream_chunk), ("--stream-budget", args.stream_budget)):
@@ -141,7 +151,10 @@ def _check(args: argparse.Namespace) -> None:
         raise KVPolicyError(f"--stream-tokens {args.stream_tokens}: must be at least 1")
     if args.stream_tokens is None and args.recipe:
         raise KVPolicyError("--recipe names the recipe of a --stream-tokens run; for throughput use --recipes")
-    parse_bytes(args.kv_memory)
+    if args.engine == "transformers" and args.kv_memory is None:
+        args.kv_memory = "512MiB"
+    if args.kv_memory is not None:
+        parse_bytes(args.kv_memory)
     if args.threads is not None and args.threads < 1:
         raise KVPolicyError(f"--threads {args.threads}: must be at least 1")
 
@@ -150,6 +163,13 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
     from ..hf.models import load_model
 
     _check(args)
+    if args.engine == "vllm":
+        from .bench_vllm import run_vllm_bench
+
+        code = run_vllm_bench(args)
+        if code:
+            raise KVPolicyError(f"the vLLM benchmark stopped with exit code {code} (its output is above)")
+        return []
     Console = require("rich.console").Console
     require("matplotlib")  # for the plots: a missing one fails now, not after the run
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -12,15 +12,20 @@ See docs/vllm.md. `settings`, `schedule`, `paged` and `engine` import no vLLM; `
 from __future__ import annotations
 
 BACKEND_CLASS = "kvpolicy.integrations.vllm.backend.KVPolicyCPUBackend"
+GPU_GUARDS = {"FLASH_ATTN": "kvpolicy.integrations.vllm.gpu_guard.GuardedFlashAttentionBackend",
+              "TRITON_ATTN": "kvpolicy.integrations.vllm.gpu_guard.GuardedTritonAttentionBackend"}
 
 
 def register() -> None:
     """vLLM's plugin hook: cheap, and safe to call many times and in every process."""
     from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if not current_platform.is_cpu():
-        return  # the GPU backends are not wrapped yet (docs/vllm.md, "The GPU plan")
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+        # no GPU path yet (docs/vllm.md, "The GPU plan"): the default CUDA backends refuse a kvpolicy entry at start
+        for name, path in GPU_GUARDS.items():
+            register_backend(AttentionBackendEnum[name], path)
+        return
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 

@@ -1,0 +1,266 @@
+"""kvpolicy inside vLLM (the CPU build, in its own environment): greedy parity with kvpolicy's transformers path,
+blocks really returned to vLLM's pool, stock behaviour without a recipe, clear refusals, and `vllm serve`.
+
+Marked `vllm` and left out of the default run (pytest.ini's addopts); `.ci/run` runs them after the suite:
+`.venv/bin/python -m pytest -m vllm`. The vLLM environment (.venv-vllm) is built on first use by
+tests/vllm/make_venv.sh (about 6 minutes). The engines run in tests/vllm/driver.py inside that environment; the
+references run here, with the embedded SmolLM2 saved as a local folder for both.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = Path(os.environ.get("KVPOLICY_VLLM_VENV", ROOT / ".venv-vllm"))
+PYTHON = VENV / "bin" / "python"
+BLOCK, SLACK, NEW_TOKENS = 32, 31, 64
+PROMPT_LENGTHS = (760, 1001)
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    ready = PYTHON.exists() and subprocess.run(
+        [str(PYTHON), "-c", "import vllm, kvpolicy.integrations.vllm.settings"], capture_output=True).returncode == 0
+    if not ready:
+        subprocess.run(["bash", str(ROOT / "tests" / "vllm" / "make_venv.sh"), str(VENV)], check=True, timeout=1800)
+    return PYTHON
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    import kvpolicy
+
+    model, tokenizer = kvpolicy.load_model("smollm2")
+    folder = tmp_path_factory.mktemp("smollm2")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def prompts(smollm2_dir) -> list[list[int]]:
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text[:40_000])["input_ids"]
+    return [ids[:PROMPT_LENGTHS[0]], ids[5000:5000 + PROMPT_LENGTHS[1]]]
+
+
+def engine_job(model: Path, config, prompts, max_tokens: int, **engine) -> dict:
+    return {"model": str(model), "config": config, "prompts": prompts, "max_tokens": max_tokens, "engine": engine}
+
+
+OTHER_RECIPES = ("window", "tova", "snapkv", "scissorhands", "roco", "pyramidkv")
+
+
+@pytest.fixture(scope="session")
+def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, dict]:
+    """Every engine the tests read, one after another in one driver process."""
+    jobs = {
+        "stock": engine_job(smollm2_dir, None, prompts, NEW_TOKENS),
+        "full": engine_job(smollm2_dir, {"recipe": "full"}, prompts, NEW_TOKENS),
+        "streaming": engine_job(smollm2_dir, {"recipe": "streaming"}, prompts, NEW_TOKENS),
+        "h2o": engine_job(smollm2_dir, {"recipe": str(ROOT / "recipes" / "h2o.yaml")}, prompts, NEW_TOKENS),
+        "misspelt": engine_job(smollm2_dir, {"recipe": "h2oo"}, prompts[:1], 4),
+        "adakv": engine_job(smollm2_dir, {"recipe": "adakv"}, prompts[:1], 4),
+        "prefix caching": engine_job(smollm2_dir, {"recipe": "h2o"}, prompts[:1], 4, enable_prefix_caching=True),
+        **{name: engine_job(smollm2_dir, {"recipe": name}, prompts[:1], 16) for name in OTHER_RECIPES},
+    }
+    path = tmp_path_factory.mktemp("vllm") / "jobs.json"
+    path.write_text(json.dumps(list(jobs.values())))
+    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
+                         capture_output=True, text=True, timeout=2400, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
+    return dict(zip(jobs, lines, strict=True))
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    import kvpolicy
+
+    return kvpolicy.load_model("smollm2")[0]
+
+
+def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """kvpolicy's transformers path, greedy, with the slack the vLLM integration uses (a block's worth)."""
+    import kvpolicy
+    from kvpolicy.plan import Budget
+    from kvpolicy.recipe import load_recipe, with_budget
+
+    recipe = load_recipe(recipe_name)
+    recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))
+    session = kvpolicy.attach(model, recipe)
+    try:
+        out = model.generate(torch.tensor([prompt]), past_key_values=session.new_cache(), max_new_tokens=new_tokens,
+                             do_sample=False, min_new_tokens=new_tokens)
+    finally:
+        session.detach()
+    return out[0, len(prompt):].tolist()
+
+
+def test_eviction_off_is_stock_vllm(results):
+    assert "error" not in results["stock"] and results["stock"]["manager"] == "FullAttentionManager"
+    # the recipe `full` evicts nothing: vLLM runs exactly as without kvpolicy
+    assert results["full"]["tokens"] == results["stock"]["tokens"]
+    assert results["full"]["manager"] == "FullAttentionManager"
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_greedy_output_equals_kvpolicy_transformers_path(results, prompts, reference_model, name):
+    got = results[name]
+    assert "error" not in got, got.get("error")
+    assert got["manager"] == "KVPolicyManager"
+    for index, prompt in enumerate(prompts):
+        expected = reference(reference_model, name, prompt, NEW_TOKENS)
+        assert got["tokens"][index] == expected, f"{name}, prompt {index} ({len(prompt)} tokens)"
+    # and the eviction changed the text: the comparison is not between two full caches
+    assert got["tokens"] != results["stock"]["tokens"]
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_blocks_held_are_the_budget_in_blocks(results, prompts, name):
+    """Read from vLLM's block manager at every step: once the prompt is in, a request holds its budget
+    (20% of its prompt) plus the slack in blocks, plus the block the next tokens start in; stock holds them all."""
+    got, stock = results[name], results["stock"]
+    for index, prompt in enumerate(prompts):
+        budget = math.ceil(len(prompt) * 0.2)
+        steady = [held for processed, held, _ in got["blocks"][index] if processed > len(prompt)]
+        assert steady, got["blocks"][index]
+        limit = math.ceil((budget + SLACK + 1) / BLOCK) + 1
+        assert max(steady) <= limit
+        assert min(steady) >= math.ceil(budget / BLOCK)
+        stock_held = max(held for _, held, _ in stock["blocks"][index])
+        assert stock_held == math.ceil((len(prompt) + NEW_TOKENS - 1) / BLOCK)
+        assert max(steady) * 3 < stock_held
+    # the pool agrees: with both requests running, the free blocks are the pool less what they hold
+    last = [records[-1] for records in got["blocks"]]
+    assert all(free <= got["pool_blocks"] - held for _, held, free in last)
+
+
+@pytest.mark.parametrize("name,words", [
+    ("misspelt", "h2oo: no such recipe file, and not a built-in recipe"),
+    ("adakv", "splits each layer's budget among its KV heads"),
+    ("prefix caching", "enable_prefix_caching=False"),
+])
+def test_bad_and_unsupported_recipes_stop_the_engine_with_one_clear_line(results, name, words):
+    assert words in results[name].get("error", ""), results[name]
+
+
+@pytest.mark.parametrize("name", OTHER_RECIPES)
+def test_the_other_paged_recipes_run(results, name):
+    got = results[name]
+    assert "error" not in got, got.get("error")
+    tokens = got["tokens"][0]
+    assert len(tokens) == 16 and len(set(tokens)) > 3  # text, not one token repeated
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def docs_block(role: str) -> str:
+    """The docs/vllm.md block that tests/test_vllm.py runs in this role (engine, serve, client)."""
+    from docs_snippets import blocks, commands
+
+    found = [b for b in blocks(ROOT / "docs" / "vllm.md") if b.directive == "vllm" and b.arg == role]
+    assert len(found) == 1, f"docs/vllm.md has {len(found)} blocks marked <!-- docs-test: vllm {role} -->"
+    return commands(found[0].code)[0] if found[0].lang == "bash" else found[0].code
+
+
+@pytest.fixture(scope="session")
+def embedded_model() -> Path:
+    """The embedded SmolLM2 where kvpolicy caches it (the folder the docs' snippets name)."""
+    import kvpolicy
+    from kvpolicy.hf.models import default_cache_dir
+
+    kvpolicy.load_model("smollm2")
+    return default_cache_dir() / "smollm2-135m-instruct"
+
+
+def test_the_docs_engine_snippet_runs(vllm_python, embedded_model, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(docs_block("engine"))
+    run = subprocess.run([str(vllm_python), str(script)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.strip(), run.stderr[-2000:]
+    assert "kvpolicy: h2o: 30 layers, budgets 0.2 of prompt" in run.stdout + run.stderr
+
+
+def test_a_gpu_engine_refuses_the_entry_instead_of_ignoring_it(vllm_python):
+    check = (
+        "from vllm.config import VllmConfig, set_current_vllm_config\n"
+        "from kvpolicy.integrations.vllm.gpu_guard import GuardedFlashAttentionBackend, refuse_if_configured\n"
+        "assert GuardedFlashAttentionBackend.get_name() == 'FLASH_ATTN'\n"
+        "with set_current_vllm_config(VllmConfig()):\n    refuse_if_configured()\n"
+        "with set_current_vllm_config(VllmConfig(additional_config={'kvpolicy': {'recipe': 'h2o'}})):\n"
+        "    refuse_if_configured()\n"
+    )
+    run = subprocess.run([str(vllm_python), "-c", check], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "runs on vLLM's CPU backend so far" in run.stderr, run.stderr[-3000:]
+
+
+def test_vllm_serve_answers_an_openai_client_with_the_recipe_active(vllm_python, embedded_model, tmp_path):
+    """The server and the client of docs/vllm.md, as written there (on a free port)."""
+    port = _free_port()
+    command = [os.path.expanduser(arg) for arg in shlex.split(docs_block("serve"))]
+    assert command[:2] == ["vllm", "serve"]
+    command[0] = str(Path(vllm_python).parent / "vllm")
+    command[command.index("--port") + 1] = str(port)
+    log_path = tmp_path / "serve.log"
+    log = log_path.open("w")
+    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                time.sleep(2)
+        else:
+            pytest.fail("vllm serve did not come up in 10 minutes")
+        client = tmp_path / "client.py"
+        client.write_text(docs_block("client").replace("localhost:8000", f"127.0.0.1:{port}"))
+        answer = subprocess.run([str(vllm_python), str(client)], capture_output=True, text=True, timeout=300)
+        assert answer.returncode == 0, answer.stderr[-3000:]
+        assert answer.stdout.strip()
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            code = server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+        log.close()
+    text = log_path.read_text()
+    assert "kvpolicy: h2o: 30 layers, budgets 0.2 of prompt, slack 31" in text, text[-3000:]
+    assert "POST /v1/completions HTTP/1.1\" 200" in text, text[-3000:]
+    assert code in (0, -signal.SIGINT), text[-3000:]  # stopped cleanly on Ctrl-C
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-m", "vllm", "-v"]))
