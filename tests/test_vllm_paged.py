@@ -110,32 +110,35 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
             request = paged[r]
             cache.write(keys[r][0].transpose(0, 1), values[r][0].transpose(0, 1), request.slots(counts[r]),
                         torch.arange(request.done, request.done + counts[r]))
-        width = max(counts[r] for r in active)
         flat_query = torch.cat([queries[r][0].transpose(0, 1) for r in active])
-        index = torch.full((len(active), width), -1)
-        query_positions = torch.full((len(active), width), -1)
-        offset = 0
-        for i, r in enumerate(active):
-            index[i, width - counts[r]:] = torch.arange(offset, offset + counts[r])
-            query_positions[i, width - counts[r]:] = torch.arange(paged[r].done, paged[r].done + counts[r])
-            offset += counts[r]
-        rows = RowBlocks.of([paged[r].rows(paged[r].done + counts[r], paged[r].worker_view) for r in active], BLOCK)
-        out = policies.attend(cache, rows, flat_query, index, query_positions, 0.3)
-        for i, r in enumerate(active):
+        starts = dict(zip(active, torch.tensor([0] + [counts[r] for r in active]).cumsum(0).tolist(), strict=False))
+        # as the worker calls it: the decode steps in one call, each prompt chunk in a call of its own
+        decoding = [r for r in active if counts[r] == 1]
+        outputs = {}
+        for group in ([decoding] if decoding else []) + [[r] for r in active if counts[r] > 1]:
+            width = max(counts[r] for r in group)
+            index = torch.full((len(group), width), -1)
+            query_positions = torch.full((len(group), width), -1)
+            for i, r in enumerate(group):
+                index[i, width - counts[r]:] = torch.arange(starts[r], starts[r] + counts[r])
+                query_positions[i, width - counts[r]:] = torch.arange(paged[r].done, paged[r].done + counts[r])
+            rows = RowBlocks.of([paged[r].rows(paged[r].done + counts[r], paged[r].worker_view) for r in group], BLOCK)
+            out = policies.attend(cache, rows, flat_query, index, query_positions, 0.3)
+            outputs.update((r, out[i, width - counts[r]:]) for i, r in enumerate(group))
+        for r in active:
             layer_ref = dense[r]
             layer_ref.append(keys[r], values[r])
             call = layer_ref.begin_call(None, 0.3)
             result = attend(queries[r], call)
             layer_ref.end_call(result.stats)
-            mine = out[i, width - counts[r]:]
+            mine = outputs[r]
             worst = max(worst, (mine - result.output[0]).abs().max().item())
             paged[r].done += counts[r]
     return worst
 
 
 def kept_positions_paged(cache, rows: RowBlocks) -> list[list[int]]:
-    block, offset = rows.block, rows.offset
-    positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), BLOCK)
+    positions, valid = rows.layout(rows.gather(cache.positions))
     return [sorted(positions[0, h][valid[0, h]].tolist()) for h in range(HKV)]
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from ..policies.base import AttentionStats
 from .call import AttentionCall, AttentionResult
 
+#: the statistics a one-query decode step computes without the general (chunked, masked) path
+DECODE_STATS = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows"})
 # probabilities held at once per chunk, summed over batch and heads: small enough to stay in
 # cache (about 100 queries at 4K context for SmolLM2's 9 heads; measured fastest on 2 cores)
 _CHUNK_ELEMENTS = 1 << 22
@@ -26,6 +28,12 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     query = call.prepare_query(query)
     if not call.needs:
         return AttentionResult(attend_plain(query, call), None)
+    if (query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
+            and call.needs <= DECODE_STATS):
+        # one query per row sees every valid slot (they are all older): no position mask to build
+        valid = None if call.causal_only else call.valid
+        return AttentionResult(*_decode_step(query, call.keys, call.values, call.scaling, call.needs,
+                                             call.last_rows_window, valid))
     near_for = call.near_mask if "near_colsum_heads" in call.needs else None
     out, stats = attend_tracking(
         query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
@@ -104,8 +112,8 @@ def attend_tracking(
     kv_heads, total_slots = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads
     stats_dtype = torch.float32
-    if queries == 1 and mask_for is None and needs <= {"colsum", "last_rows"}:
-        return _decode_step(query, keys, values, scaling, "last_rows" in needs and last_rows > 0)
+    if queries == 1 and mask_for is None and needs <= DECODE_STATS:
+        return _decode_step(query, keys, values, scaling, needs, last_rows)
     colsum = torch.zeros(batch, kv_heads, total_slots, dtype=stats_dtype, device=query.device)
     colsum_sq = torch.zeros_like(colsum) if "colsum_sq" in needs else None
     below = torch.zeros_like(colsum) if "below_uniform" in needs else None
@@ -180,14 +188,32 @@ def _causal_mask(past_slots: int, lo: int, hi: int, slots: int, device: torch.de
 
 
 def _decode_step(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, want_rows: bool
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, needs: frozenset[str],
+    last_rows: int, valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
-    """One query per row over a packed cache: the few ops a decode step needs."""
+    """One query per row over the cache (``valid`` [B, Hkv, T]: the slots holding a token; None: all): the few
+    ops a decode step needs, the statistics of `DECODE_STATS` included."""
     batch, q_heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float() * scaling
-    probs = torch.softmax(torch.matmul(grouped, keys.float().transpose(-1, -2)), dim=-1)  # [B, Hkv, G, T]
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [B, Hkv, G, T]
+    if valid is not None:
+        logits.masked_fill_(~valid[:, :, None], -torch.inf)
+    probs = torch.softmax(logits, dim=-1)
     out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, dim).to(query.dtype)
     colsum = probs.mean(dim=2)
     queries = torch.ones(batch, dtype=torch.long, device=query.device)
-    return out, AttentionStats(queries=queries, colsum=colsum, last_rows=colsum[:, :, None] if want_rows else None)
+    below = None
+    if "below_uniform" in needs:
+        seen = (valid.sum(dim=-1, keepdim=True) if valid is not None
+                else torch.full((batch, kv_heads, 1), keys.shape[2], device=query.device))
+        is_below = (probs * seen[:, :, None] < 1.0)
+        if valid is not None:
+            is_below &= valid[:, :, None]
+        below = is_below.float().mean(dim=2)
+    return out, AttentionStats(
+        queries=queries, colsum=colsum,
+        colsum_sq=probs.square().mean(dim=2) if "colsum_sq" in needs else None,
+        below_uniform=below,
+        last_rows=colsum[:, :, None] if "last_rows" in needs and last_rows > 0 else None,
+    )

@@ -121,12 +121,12 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
                 arena = torch.tensor([r[3].arena(rule) for r in evicting], dtype=torch.long)
                 evict = (rows, budget, seen, arena)
             attend = []
-            for decode in (True, False):
-                group = [r for r in requests if (r[2] - r[1] == 1) == decode]
-                if group:
-                    rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group],
-                                        block_size)
-                    attend.append((rows, *self._queries(group, starts)))
+            # decode steps together (one query each); each prompt chunk alone, unpadded (long, of any length)
+            decoding = [r for r in requests if r[2] - r[1] == 1]
+            for group in ([decoding] if decoding else []) + [[r] for r in requests if r[2] - r[1] > 1]:
+                rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group],
+                                    block_size)
+                attend.append((rows, *self._queries(group, starts)))
             rules.append(RuleStep(evict, attend))
         return StepPlan(rules, positions)
 

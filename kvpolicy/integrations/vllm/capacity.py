@@ -97,7 +97,8 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     if args.kv_memory is not None:
         engine_args["kv_cache_memory_bytes"] = args.kv_memory
     else:
-        engine_args["num_gpu_blocks_override"] = blocks
+        # on CPU, vLLM checks this share of RAM is free even when the block count is given
+        engine_args.update(num_gpu_blocks_override=blocks, gpu_memory_utilization=0.2)
     if recipe != "full":
         engine_args["additional_config"] = {"kvpolicy": {"recipe": recipe}}
     llm = LLM(model=str(args.model), **engine_args)

@@ -60,52 +60,69 @@ class PagedLayerCache:
 
 @dataclass
 class RowBlocks:
-    """The slots a batch of requests reads in one layer: each request's blocks in logical order, cut at its last
-    token and left-padded with block 0 (vLLM's null block), so that every request's newest tokens end the row as
-    they do in a dense cache.
+    """The blocks a batch of requests reads in one layer, in logical order, padded at the end with block 0 (vLLM's
+    null block). Gathered, their slots are ``[R, Hkv, width]``: every block whole, or, for one request, cut right
+    after its newest token, so that its newest tokens end the row as in a dense cache (SnapKV's observation window
+    is the call's last slots; a batch of decode steps has one query per request and no such window).
 
     ``arena`` counts the leading logical blocks whose slots hold kept tokens in any order (their stored positions
     say which; 0 before the request's first eviction); the other blocks hold tokens at their own positions,
     valid from ``first`` to ``end`` (the tokens in so far).
     """
 
-    block: torch.Tensor  # [R, T] int64 physical block of each slot
-    offset: torch.Tensor  # [R, T] int64 slot within its block
-    logical: torch.Tensor  # [R, T] int64 logical block of each slot, -1 for padding
+    blocks: torch.Tensor  # [R, nblk] int64 physical block ids
+    logical: torch.Tensor  # [R, nblk] int64 logical block index, -1 for padding
     arena: torch.Tensor  # [R] int64
     first: torch.Tensor  # [R] int64
     end: torch.Tensor  # [R] int64
+    block_size: int
+    width: int
 
     @classmethod
     def of(cls, rows: list[tuple[list[int], list[int], int, int, int]], block_size: int) -> RowBlocks:
         """From (physical blocks, logical blocks, arena blocks, first position, end) per row."""
-        per_row = []
-        for physical, logical, arena, _, end in rows:
-            offset = torch.arange(block_size).repeat(len(physical))
-            logical_slot = torch.tensor(logical, dtype=torch.long).repeat_interleave(block_size)
-            block = torch.tensor(physical, dtype=torch.long).repeat_interleave(block_size)
-            # slots past the last token (the rest of the block being filled) are never read
-            keep = (logical_slot < arena) | (logical_slot * block_size + offset < end)
-            per_row.append((block[keep], offset[keep], logical_slot[keep]))
-        width = max(1, max(len(block) for block, _, _ in per_row))
-        block = torch.zeros(len(rows), width, dtype=torch.long)
-        offset = torch.zeros(len(rows), width, dtype=torch.long)
-        logical = torch.full((len(rows), width), -1, dtype=torch.long)
-        for index, (row_block, row_offset, row_logical) in enumerate(per_row):
-            size = len(row_block)
-            block[index, width - size:], offset[index, width - size:] = row_block, row_offset
-            logical[index, width - size:] = row_logical
+        count = max(1, max(len(physical) for physical, *_ in rows))
+        blocks = torch.zeros(len(rows), count, dtype=torch.long)
+        logical = torch.full((len(rows), count), -1, dtype=torch.long)
+        for index, (physical, logical_ids, *_) in enumerate(rows):
+            blocks[index, : len(physical)] = torch.tensor(physical, dtype=torch.long)
+            logical[index, : len(logical_ids)] = torch.tensor(logical_ids, dtype=torch.long)
         numbers = torch.tensor([row[2:] for row in rows], dtype=torch.long).view(len(rows), 3)
-        return cls(block, offset, logical, numbers[:, 0], numbers[:, 1], numbers[:, 2])
+        width = count * block_size
+        if len(rows) == 1 and rows[0][1] and rows[0][1][-1] >= rows[0][2]:  # one request; its last block in place
+            width -= (rows[0][1][-1] + 1) * block_size - rows[0][4]
+        return cls(blocks, logical, numbers[:, 0], numbers[:, 1], numbers[:, 2], block_size, width)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (whole blocks are copied)."""
+        picked = tensor[self.blocks].movedim(2, 1)  # [R, Hkv, nblk, bs, ...]
+        return picked.reshape(*picked.shape[:2], -1, *picked.shape[4:])[:, :, : self.width]
+
+    def scatter(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` [R, Hkv, width, ...] back into these rows' slots of ``tensor``."""
+        full = tensor[self.blocks].movedim(2, 1)  # [R, Hkv, nblk, bs, ...]
+        flat = full.reshape(*full.shape[:2], -1, *full.shape[4:])
+        flat[:, :, : self.width] = values
+        tensor[self.blocks] = flat.view_as(full).movedim(1, 2)
+
+    def slot(self, row: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Physical (block, offset) of gathered slot ``index`` of ``row`` (equal-shaped index tensors)."""
+        return self.blocks[row, index // self.block_size], index % self.block_size
+
+    def slot_logical(self) -> torch.Tensor:
+        """[R, width]: the logical block of each gathered slot (-1: padding)."""
+        return self.logical.repeat_interleave(self.block_size, dim=1)[:, : self.width]
 
     def within(self, arena: torch.Tensor) -> torch.Tensor:
-        """[R, T] bool: the slots of each request's first ``arena`` [R] logical blocks."""
-        return (self.logical >= 0) & (self.logical < arena[:, None])
+        """[R, width] bool: the slots of each request's first ``arena`` [R] logical blocks."""
+        logical = self.slot_logical()
+        return (logical >= 0) & (logical < arena[:, None])
 
-    def layout(self, stored: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layout(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [R, Hkv, T] int64, -1 where empty; valid [R, Hkv, T]) from the ``stored`` positions gathered."""
-        in_place = self.logical * block_size + self.offset  # the position a slot's token has if it never moved
-        placed_ok = (self.logical >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
+        logical = self.slot_logical()
+        in_place = logical * self.block_size + torch.arange(self.width) % self.block_size
+        placed_ok = (logical >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
         stored = stored.long()
         valid = torch.where(self.within(self.arena)[:, None], stored >= 0, placed_ok[:, None])
         return torch.where(valid, stored, -1), valid
@@ -120,9 +137,9 @@ class PagedPolicies:
         self.last_rows_window = max([g.policy.last_rows_window for g in groups if "last_rows" in g.policy.needs] or [0])
         self.nan_check = NaNCheck()
 
-    def _gather_state(self, cache: PagedLayerCache, block: torch.Tensor, offset: torch.Tensor) -> dict[str, torch.Tensor]:
-        # [R, T] indices on dims 0 and 2 of [blocks, Hkv, bs] give [R, T, Hkv]
-        return {name: tensor[block, :, offset].transpose(1, 2) for name, tensor in cache.state.items()}
+    @staticmethod
+    def _gather_state(cache: PagedLayerCache, rows: RowBlocks) -> dict[str, torch.Tensor]:
+        return {name: rows.gather(tensor) for name, tensor in cache.state.items()}
 
     def _state_of(self, group: PolicyGroup, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: state[f"{group.prefix}{name}"] for name in group.policy.state}
@@ -142,9 +159,8 @@ class PagedPolicies:
               arena: torch.Tensor) -> None:
         """Keep each (request, KV head)'s ``budget`` [R] best tokens of ``rows`` in the request's first ``arena`` [R]
         blocks: kept tokens already there stay, the others move into the slots freed there."""
-        block, offset = rows.block, rows.offset
-        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), cache.block_size)
-        state = self._gather_state(cache, block, offset)
+        positions, valid = rows.layout(rows.gather(cache.positions))
+        state = self._gather_state(cache, rows)
         heads = positions.shape[1]
         view = TokenView(positions=positions, valid=valid, seen=seen, budget=budget[:, None].expand(-1, heads))
         scores = self.scores(state, view)
@@ -156,26 +172,31 @@ class PagedPolicies:
         rank = incoming.long().cumsum(dim=2) - 1
         target = hole_order.gather(2, rank.clamp(min=0))
         row, head, source = incoming.nonzero(as_tuple=True)
-        dest = target[row, head, source]
-        src_block, src_offset = block[row, source], offset[row, source]
-        dst_block, dst_offset = block[row, dest], offset[row, dest]
+        src_block, src_offset = rows.slot(row, source)
+        dst_block, dst_offset = rows.slot(row, target[row, head, source])
         for tensor in (cache.keys, cache.values, cache.positions, *cache.state.values()):
             tensor[dst_block, head, dst_offset] = tensor[src_block, head, src_offset]
         # arena slots left over (the head kept fewer newcomers than it dropped) are empty from now on
         filled = incoming.sum(dim=2, keepdim=True)
         unused = holes & ((holes.long().cumsum(dim=2) - 1) >= filled)
         row, head, slot = unused.nonzero(as_tuple=True)
-        cache.positions[block[row, slot], head, offset[row, slot]] = -1
+        block, offset = rows.slot(row, slot)
+        cache.positions[block, head, offset] = -1
 
     def attend(self, cache: PagedLayerCache, rows: RowBlocks, query: torch.Tensor, query_index: torch.Tensor,
                query_positions: torch.Tensor, scaling: float) -> torch.Tensor:
         """Attention of ``query`` [N, Hq, D] rows ``query_index`` [R, q] (-1: pad; a request's tokens right-aligned)
         at ``query_positions`` [R, q] over the requests' blocks; the policies observe its statistics.
         Returns the output [R, q, Hq, D]."""
-        block, offset = rows.block, rows.offset
-        positions, valid = rows.layout(cache.positions[block, :, offset].transpose(1, 2), cache.block_size)
-        keys = cache.keys[block, :, offset].transpose(1, 2)  # [R, Hkv, T, D]
-        values = cache.values[block, :, offset].transpose(1, 2)
+        positions, valid = rows.layout(rows.gather(cache.positions))
+        dim = cache.keys.shape[-1]
+        if cache.keys.data_ptr() + dim * cache.keys.element_size() == cache.values.data_ptr():
+            # keys and values are halves of one vLLM slot: one gather for both
+            both = torch.as_strided(cache.keys, (*cache.keys.shape[:-1], 2 * dim), cache.keys.stride())
+            gathered = rows.gather(both)  # [R, Hkv, T, 2D]
+            keys, values = gathered[..., :dim], gathered[..., dim:]
+        else:
+            keys, values = rows.gather(cache.keys), rows.gather(cache.values)
         query_valid = query_index >= 0
         grouped_query = query[query_index.clamp(min=0)].permute(0, 2, 1, 3)  # [R, Hq, q, D]
         width = query_index.shape[1]
@@ -185,14 +206,17 @@ class PagedPolicies:
             query_valid=None if bool(query_valid.all()) else query_valid,
             past_slots=keys.shape[2] - width, scaling=scaling, needs=self.needs,
             last_rows_window=self.last_rows_window, backend=self.backend,
+            # a request never evicted reads its tokens in place, one slot each, none missing: causality is the mask
+            causal_only=len(rows.arena) == 1 and int(rows.arena[0]) == 0 and int(rows.first[0]) == 0
+            and bool(query_valid.all()),
         )
         result = attend(grouped_query, call)
         if result.stats is not None and self.needs:
-            state = self._gather_state(cache, block, offset)
+            state = self._gather_state(cache, rows)
             for group in self.groups:
                 if group.policy.needs:
                     call_policy(group.policy, "observe", group.policy.observe, self._state_of(group, state),
                                 stats_for(group.policy, result.stats))
             for name, tensor in cache.state.items():
-                tensor[block, :, offset] = state[name].transpose(1, 2)
+                rows.scatter(tensor, state[name])
         return result.output
