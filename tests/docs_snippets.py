@@ -19,7 +19,8 @@ A block may be preceded (on its last non-blank line before the fence) by one dir
   python blocks still run; yaml and toml blocks are only compared.
 - ``<!-- docs-test: vllm ROLE -->``: run by tests/test_vllm.py in the vLLM environment, not here:
   ``vllm engine`` (python, run as is), ``vllm serve`` (bash: the server the serve test starts),
-  ``vllm client`` (python, run against that server).
+  ``vllm client`` (python, run against that server), ``vllm bench`` (bash: a ``kvpolicy bench --engine
+  vllm`` command, run with small sizes).
 
 Run as a script (``python tests/docs_snippets.py --report FILE PAGE...``), in a scratch
 folder where ``recipes`` and ``plugins`` link to the repository's, it runs the pages one
@@ -91,8 +92,8 @@ def blocks(page: Path) -> list[Block]:
             block.directive, block.arg = found["what"], found["arg"]
             if block.directive == "skip" and len(block.arg) < 10:
                 raise ValueError(f"{name}:{start}: a skip needs its reason: <!-- docs-test: skip: WHY -->")
-            if block.directive == "vllm" and block.arg not in ("engine", "serve", "client"):
-                raise ValueError(f"{name}:{start}: <!-- docs-test: vllm ROLE -->: ROLE is engine, serve or client")
+            if block.directive == "vllm" and block.arg not in ("engine", "serve", "client", "bench"):
+                raise ValueError(f"{name}:{start}: <!-- docs-test: vllm ROLE -->: ROLE is engine, serve, client or bench")
         if block.lang not in RUN + NOT_RUN:
             raise ValueError(f"{block.where}: snippet language {block.lang!r} is neither run ({', '.join(RUN)}) "
                              "nor plain text (text)")

@@ -27,7 +27,7 @@ import torch
 pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = Path(os.environ.get("KVPOLICY_VLLM_VENV", ROOT / ".venv-vllm"))
+VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 BLOCK, SLACK, NEW_TOKENS = 32, 31, 64
 PROMPT_LENGTHS = (760, 1001)
@@ -38,7 +38,7 @@ def vllm_python() -> Path:
     ready = PYTHON.exists() and subprocess.run(
         [str(PYTHON), "-c", "import vllm, kvpolicy.integrations.vllm.settings"], capture_output=True).returncode == 0
     if not ready:
-        subprocess.run(["bash", str(ROOT / "tests" / "vllm" / "make_venv.sh"), str(VENV)], check=True, timeout=1800)
+        subprocess.run(["bash", str(ROOT / "tests" / "vllm" / "make_venv.sh")], check=True, timeout=1800)
     return PYTHON
 
 
@@ -260,6 +260,29 @@ def test_vllm_serve_answers_an_openai_client_with_the_recipe_active(vllm_python,
     assert "kvpolicy: h2o: 30 layers, budgets 0.2 of prompt, slack 31" in text, text[-3000:]
     assert "POST /v1/completions HTTP/1.1\" 200" in text, text[-3000:]
     assert code in (0, -signal.SIGINT), text[-3000:]  # stopped cleanly on Ctrl-C
+
+
+def test_kvpolicy_bench_engine_vllm_as_the_docs_give_it(vllm_python, embedded_model, tmp_path):
+    """The docs' `kvpolicy bench --engine vllm` command, with small sizes: table, jsonl and plot, and the recipes
+    hold fewer blocks than the full cache under the same KV memory."""
+    command = shlex.split(docs_block("bench"))
+    assert command[:3] == ["kvpolicy", "bench", "--engine"]
+    for flag, value in (("--prompt-tokens", "320"), ("--new-tokens", "8"), ("--max-batch", "4")):
+        command[command.index(flag) + 1] = value
+    command[0] = str(Path(sys.executable).parent / "kvpolicy")
+    out = tmp_path / "bench"
+    run = subprocess.run([*command, "--out", str(out), "--vllm-python", str(vllm_python)], capture_output=True,
+                         text=True, timeout=1200, cwd=ROOT)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "decode tok/s" in run.stdout and "attention per layer and decode step" in run.stdout
+    rows = [json.loads(line) for line in (out / "vllm_capacity.jsonl").read_text().splitlines()]
+    serving = {row["config"]: row for row in rows if row["kind"] == "serving"}
+    assert set(serving) == {"full", "h2o", "streaming"}
+    for name in ("h2o", "streaming"):
+        assert serving[name]["mean_blocks"] < serving["full"]["mean_blocks"]
+        assert serving[name]["peak_running"] >= serving["full"]["peak_running"]
+        assert serving[name]["generated"] == serving["full"]["generated"] == 4 * 8
+    assert (out / "vllm_capacity.png").stat().st_size > 10_000
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--recipes", *args.recipes]
     if args.kv_memory is not None:
         argv += ["--kv-memory", args.kv_memory]
-    if args.dtype != "float32":
-        argv += ["--dtype", args.dtype]
+    argv += ["--dtype", args.dtype]
     if args.text_file:
         argv += ["--text", args.text_file]
     if args.model != "smollm2":

@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="KV blocks for every configuration (default: 2.5 full-cache requests' worth)")
     parser.add_argument("--kv-memory", help="KV memory instead of --kv-blocks, e.g. 64MiB (vLLM's kv_cache_memory_bytes)")
     parser.add_argument("--block-size", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--text", type=Path, help="the prompts' text (default: CPython's pydoc_data.topics)")
     parser.add_argument("--kernel-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"vllm-capacity-{time.strftime('%Y%m%d-%H%M%S')}")
