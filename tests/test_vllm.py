@@ -225,8 +225,8 @@ def test_vllm_serve_answers_an_openai_client_with_the_recipe_active(vllm_python,
     """The server and the client of docs/vllm.md, as written there (on a free port)."""
     port = _free_port()
     command = [os.path.expanduser(arg) for arg in shlex.split(docs_block("serve"))]
-    assert command[:2] == ["vllm", "serve"]
-    command[0] = str(Path(vllm_python).parent / "vllm")
+    assert command[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    command[0] = str(vllm_python)
     command[command.index("--port") + 1] = str(port)
     log_path = tmp_path / "serve.log"
     log = log_path.open("w")

@@ -9,6 +9,7 @@ arena (`schedule`), so heads hold different tokens in the same blocks and the bl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -109,22 +110,29 @@ class RowBlocks:
         """Physical (block, offset) of gathered slot ``index`` of ``row`` (equal-shaped index tensors)."""
         return self.blocks[row, index // self.block_size], index % self.block_size
 
+    @functools.cached_property
     def slot_logical(self) -> torch.Tensor:
         """[R, width]: the logical block of each gathered slot (-1: padding)."""
         return self.logical.repeat_interleave(self.block_size, dim=1)[:, : self.width]
 
     def within(self, arena: torch.Tensor) -> torch.Tensor:
         """[R, width] bool: the slots of each request's first ``arena`` [R] logical blocks."""
-        logical = self.slot_logical()
+        logical = self.slot_logical
         return (logical >= 0) & (logical < arena[:, None])
+
+    @functools.cached_property
+    def _placement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # the same for every layer of a step: which slots hold kept tokens in any order, which hold theirs in place
+        logical = self.slot_logical
+        in_place = logical * self.block_size + torch.arange(self.width) % self.block_size
+        placed_ok = (logical >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
+        return self.within(self.arena)[:, None], placed_ok[:, None]
 
     def layout(self, stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [R, Hkv, T] int64, -1 where empty; valid [R, Hkv, T]) from the ``stored`` positions gathered."""
-        logical = self.slot_logical()
-        in_place = logical * self.block_size + torch.arange(self.width) % self.block_size
-        placed_ok = (logical >= 0) & (in_place >= self.first[:, None]) & (in_place < self.end[:, None])
+        in_arena, placed_ok = self._placement
         stored = stored.long()
-        valid = torch.where(self.within(self.arena)[:, None], stored >= 0, placed_ok[:, None])
+        valid = torch.where(in_arena, stored >= 0, placed_ok)
         return torch.where(valid, stored, -1), valid
 
 
