@@ -94,17 +94,23 @@ class RowBlocks:
             width -= (rows[0][1][-1] + 1) * block_size - rows[0][4]
         return cls(blocks, logical, numbers[:, 0], numbers[:, 1], numbers[:, 2], block_size, width)
 
+    def _index(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (block, head) pairs as [R, Hkv, nblk]: each picks one contiguous [bs, ...] run, already in attention's order
+        heads = torch.arange(tensor.shape[1], device=tensor.device)
+        return self.blocks[:, None, :], heads[None, :, None]
+
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (whole blocks are copied)."""
-        picked = tensor[self.blocks].movedim(2, 1)  # [R, Hkv, nblk, bs, ...]
+        """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (one copy of whole blocks)."""
+        picked = tensor[self._index(tensor)]  # [R, Hkv, nblk, bs, ...]
         return picked.reshape(*picked.shape[:2], -1, *picked.shape[4:])[:, :, : self.width]
 
     def scatter(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values`` [R, Hkv, width, ...] back into these rows' slots of ``tensor``."""
-        full = tensor[self.blocks].movedim(2, 1)  # [R, Hkv, nblk, bs, ...]
-        flat = full.reshape(*full.shape[:2], -1, *full.shape[4:])
+        index = self._index(tensor)
+        full = tensor[index]  # [R, Hkv, nblk, bs, ...]
+        flat = full.view(*full.shape[:2], -1, *full.shape[4:])
         flat[:, :, : self.width] = values
-        tensor[self.blocks] = flat.view_as(full).movedim(1, 2)
+        tensor[index] = full
 
     def slot(self, row: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Physical (block, offset) of gathered slot ``index`` of ``row`` (equal-shaped index tensors)."""
