@@ -49,8 +49,6 @@ class KVPolicyManager(FullAttentionManager):
         self.rules = kv_cache_spec.rules()
         self.slack = kv_cache_spec.kvpolicy_slack
         self.schedules: dict[str, RequestSchedule] = {}
-        #: the most blocks each live request has held at once (null blocks excluded), for reports and tests
-        self.peak_blocks: dict[str, int] = {}
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -62,10 +60,6 @@ class KVPolicyManager(FullAttentionManager):
         prompt = num_prompt_tokens if num_prompt_tokens is not None else processed_computed_tokens + 1
         schedule.start_step(processed_computed_tokens, prefilling=processed_computed_tokens < prompt)
         self._remove_blocks_in_range(request_id, lo, hi)
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is not None:
-            held = sum(1 for block in blocks if not block.is_null)
-            self.peak_blocks[request_id] = max(self.peak_blocks.get(request_id, 0), held)
 
     def free(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
