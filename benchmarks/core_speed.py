@@ -81,6 +81,11 @@ def plain_compiled_step(model) -> Callable:
     return step
 
 
+def kvpolicy_compiled_step(decoder, cache) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """kvpolicy's compiled decode step on ``cache`` (positions come from the cache itself)."""
+    return lambda token, position: decoder.step(cache, token)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -132,8 +137,7 @@ def main() -> None:
                     model.set_attn_implementation("kvpolicy")
                     cache = sessions[name].new_cache()
                     if name.endswith("compiled"):
-                        decoder = sessions[name].compiled
-                        step = (lambda decoder, cache: lambda token, position: decoder.step(cache, token))(decoder, cache)
+                        step = kvpolicy_compiled_step(sessions[name].compiled, cache)
                 prefill, steps = run_once(model, ids, cache, args.new_tokens, step)
                 if repeat:
                     prefills, decodes = samples.setdefault(name, ([], []))
