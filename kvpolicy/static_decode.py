@@ -92,6 +92,13 @@ class StaticDecode:
         scores = self._scores(defer_nan_check=True)
         self.store.drop_one(scores.argmin(dim=2))
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """The tensors a static step writes in place (K/V, slot metadata, policy state, tokens seen, NaN flags): the
+        same objects at every step, so an engine can pin their addresses (CUDA graphs replay on fixed addresses)."""
+        store = self.store
+        return [store.keys, store.values, *store.slots.tensors(), *self.cell_state.values(), self.tokens_seen,
+                *self._nan_check.flags.values()]
+
     def after_static_steps(self, steps: int) -> None:
         """The counters the compiled steps left alone: ``steps`` tokens seen, ``steps`` evictions."""
         self.slots_seen += steps

@@ -58,6 +58,8 @@ class CompiledDecoder:
         if not getattr(cache, "_static_primed", False):
             for layer in layers:
                 layer._nan_check.prime([group.policy.name for group in layer.groups], tokens.device)
+                for tensor in layer.static_tensors():  # written in place at every step: CUDA graphs may keep them
+                    torch._dynamo.mark_static_address(tensor)
             cache._static_primed = True
         mask = torch.ones(tokens.shape[0], 1, 1, 1, dtype=torch.bool, device=tokens.device)  # never read
         for layer in layers:
