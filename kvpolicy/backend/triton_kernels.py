@@ -43,6 +43,7 @@ import triton.language as tl
 from ..policies.base import AttentionStats
 from . import torch_ref
 from .call import AttentionCall, AttentionResult
+from .sdpa_lse import causal_attention_with_lse
 from .select import interpreting
 
 LOG2E = 1.4426950408889634
@@ -446,6 +447,7 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     out, stats = attend_tracking_triton(
         query, call.keys, call.values, call.valid, call.key_positions, call.query_positions, call.scaling,
         call.needs, call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
+        causal_only=call.causal_only,
     )
     return AttentionResult(out, stats)
 
@@ -465,6 +467,7 @@ def attend_tracking_triton(
     sliding_window: int | None = None,
     *,
     mode: str = "auto",
+    causal_only: bool = False,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention output [B, q, Hq, D] (query dtype) plus the requested fp32 statistics over the T slots.
 
@@ -473,8 +476,10 @@ def attend_tracking_triton(
     int64 (-1 for pads); ``query_valid`` [B, q] bool or None (all real). Statistics are those of
     `torch_ref.attend_tracking`: summed over the call's real queries, mean over the G query
     heads of each KV head; only the ones named in ``needs`` are computed (others are None).
-    ``mode`` forces the "decode" or "prefill" kernels (tests); "auto" picks decode when
-    ``G * q <= DECODE_MAX_ROWS``.
+    ``mode`` forces the "decode" or "prefill" kernels, or "prefill_sdpa" (tests); "auto" picks decode when
+    ``G * q <= DECODE_MAX_ROWS``, else for a fresh causal prompt (``causal_only``: every slot valid, no pads, no
+    window; and no past slots) PyTorch's fused attention for the output and its log-sum-exp (`sdpa_lse`), then
+    the statistics pass, else the prefill kernels.
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, total = keys.shape[1], keys.shape[2]
@@ -506,8 +511,14 @@ def attend_tracking_triton(
     f32 = dict(dtype=torch.float32, device=device)
     rows = groups * queries
     use_decode = mode == "decode" or (mode == "auto" and rows <= DECODE_MAX_ROWS)
-    if mode not in ("auto", "decode", "prefill"):
-        raise ValueError(f"mode must be auto, decode or prefill, not {mode!r}")
+    if mode not in ("auto", "decode", "prefill", "prefill_sdpa"):
+        raise ValueError(f"mode must be auto, decode, prefill or prefill_sdpa, not {mode!r}")
+    fresh_prompt = causal_only and past_slots == 0 and total == queries and query_valid is None and not sliding_window
+    if mode == "prefill_sdpa" and not fresh_prompt:
+        raise ValueError("prefill_sdpa needs a fresh causal prompt: causal_only, no past slots, no pads, no window")
+    fused = None
+    if not use_decode and fresh_prompt and mode in ("auto", "prefill_sdpa"):
+        fused = causal_attention_with_lse(query, keys, values, scaling)
     t_eff = min(total, past_slots + queries)  # slots past the last query's own are never visible
     # the kernels write every column they can see; zero-fill only what they leave (or accumulate into)
     fill = torch.zeros if t_eff < total else torch.empty
@@ -561,6 +572,23 @@ def attend_tracking_triton(
             HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, HAS_QVALID=qvalid_u8 is not None,
             BLOCK_W=max(2, triton.next_power_of_2(max(rows_w, 1))), **flags, num_warps=4,
         )
+    elif fused is not None:  # the output and log-sum-exp of the fused kernel, then the statistics pass
+        fused_out, lse = fused
+        out.copy_(fused_out)
+        lse = lse.contiguous()
+        cnt = dummy
+        if below is not None:  # query i of a fresh causal prompt sees keys 0..i
+            cnt = torch.arange(1, queries + 1, **f32).expand(batch, kv_heads, queries).contiguous()
+        if any_stats:
+            _prefill_stats_kernel[(triton.cdiv(total, cfg["stats_n"]), batch * kv_heads)](
+                query, keys, valid_u8, key_positions, query_positions, qv_arg, lse, cnt, *stat_args,
+                *qs, *ks, *ms, *ps, *qps, *qvs,
+                q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale, 1.0 / groups,
+                max(rows_w, 1),
+                HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=cfg["stats_m"], BLOCK_N=cfg["stats_n"],
+                HAS_WINDOW=has_window, UPCAST=upcast, HAS_QVALID=qvalid_u8 is not None, **flags,
+                num_warps=cfg["stats_warps"], num_stages=cfg["stats_stages"],
+            )
     else:
         lse = torch.empty(batch, q_heads, queries, **f32)
         cnt = torch.empty(batch, kv_heads, queries, **f32) if below is not None else dummy
