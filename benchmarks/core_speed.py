@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", default="0.2", help="budget of the h2o configuration")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="rows per forward, each the same prompt (default: 1)")
     parser.add_argument("--compile", action="store_true", help="add the compiled decode steps (plain and h2o)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead on CUDA")
@@ -117,11 +118,11 @@ def main() -> None:
         sessions["h2o-compiled"] = attach(model, recipes["h2o"]).compile(**options)
         plain_step = plain_compiled_step(model)
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={args.model} budget={args.budget} "
-          f"device={args.device} dtype={args.dtype}" + (f" compile={options}" if args.compile else ""))
+          f"device={args.device} dtype={args.dtype} batch={args.batch}" + (f" compile={options}" if args.compile else ""))
 
     results = []
     for context in args.contexts:
-        ids = all_ids[:, :context]
+        ids = all_ids[:, :context].expand(args.batch, -1)
         samples: dict[str, tuple[list[float], list[float]]] = {}
         for repeat in range(args.repeats + 1):  # the first round warms up (and compiles) and is dropped
             for name in configs:
@@ -149,6 +150,7 @@ def main() -> None:
             prefills, decodes = samples[name]
             row = {
                 "context": context,
+                "batch": args.batch,
                 "config": name,
                 "prefill_s": statistics.median(prefills),
                 "decode_ms": 1000 * statistics.median(decodes),

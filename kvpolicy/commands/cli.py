@@ -48,6 +48,8 @@ def _generate(args: argparse.Namespace, text: str, recipe) -> None:
 
     model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     session = attach(model, recipe, tokenizer=tokenizer)
+    if args.compile:
+        session.compile()
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt").to(args.device)
@@ -189,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=count(1), default=128, help="tokens to generate (default: 128)")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
     add_device_arguments(gen)
+    gen.add_argument("--compile", action="store_true",
+                     help="decode through one compiled model step (torch.compile, fullgraph) once the cache is full; "
+                          "pays a compile first: for GPUs and long generations")
     gen.set_defaults(func=cmd_generate)
 
     val = sub.add_parser("validate", help="check a recipe and print its plan per layer and head")
