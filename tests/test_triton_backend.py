@@ -125,23 +125,24 @@ def reference(case, needs, last_rows, sliding_window=None, packed=False):
     )
 
 
-def triton_run(case, needs, last_rows, sliding_window=None, mode="auto", causal_only=False):
+def triton_run(case, needs, last_rows, sliding_window=None, mode="auto", causal_only=False, config=None):
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
 
     query = case["query"]
     return attend_tracking_triton(
         query, case["keys"], case["values"], case["valid"], case["key_positions"], case["query_positions"],
         query.shape[-1] ** -0.5, needs, case["query_valid"], case["past_slots"], last_rows, sliding_window,
-        mode=mode, causal_only=causal_only,
+        mode=mode, causal_only=causal_only, config=config,
     )
 
 
 def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decode", "prefill"), packed=False,
-          stat_tol=None):
+          stat_tol=None, config=None):
     ref_out, ref = reference(case, needs, last_rows, sliding_window, packed)
     dtype = case["query"].dtype
     for mode in modes:
-        out, stats = triton_run(case, needs, last_rows, sliding_window, mode, causal_only=mode == "prefill_sdpa")
+        out, stats = triton_run(case, needs, last_rows, sliding_window, mode, causal_only=mode == "prefill_sdpa",
+                                config=config)
         assert out.dtype == dtype and out.shape == ref_out.shape, mode
         torch.testing.assert_close(
             out.float(), ref_out.float(), **OUT_TOL[dtype], msg=lambda m, mode=mode: f"{mode} output: {m}"
@@ -173,6 +174,32 @@ def assert_counts_close(mine, theirs, case, mode):
 
 
 # --- kernels against the reference ------------------------------------------------------------------
+def _tuning_spaces():
+    from kvpolicy.backend.triton_tuning import DECODE_SPACE, FORWARD_SPACE, STATS_SPACE, distinct_blocks
+
+    decode = distinct_blocks(DECODE_SPACE, ("dec_n",))
+    forward = distinct_blocks(FORWARD_SPACE, ("fwd_m", "fwd_n"))
+    stats = distinct_blocks(STATS_SPACE, ("stats_m", "stats_n"))
+    prefill = [{**forward[i % len(forward)], **stats[i % len(stats)]} for i in range(max(len(forward), len(stats)))]
+    return decode, prefill
+
+
+DECODE_BLOCKS, PREFILL_BLOCKS = _tuning_spaces()
+
+
+@in_process
+@pytest.mark.parametrize("entry", DECODE_BLOCKS, ids=lambda e: f"n{e['dec_n']}")
+def test_every_decode_block_of_the_tuning_space(entry):
+    """Each block size the autotuner may pick, with the key slots split across programs, equals the reference."""
+    check(make_case(groups=4, past=150, queries=1, seed=5), modes=("decode",), config=entry)
+
+
+@in_process
+@pytest.mark.parametrize("entry", PREFILL_BLOCKS, ids=lambda e: f"m{e['fwd_m']}n{e['fwd_n']}-m{e['stats_m']}n{e['stats_n']}")
+def test_every_prefill_block_of_the_tuning_spaces(entry):
+    check(make_case(groups=2, past=20, queries=70, pads=3, seed=6), modes=("prefill",), config=entry)
+
+
 def fresh_prompt(groups, dtype=torch.float32, queries=40, dim=64):
     """A prompt's first call: every slot one of its queries, all valid, no pads (what SDPA's causal mask covers)."""
     return make_case(past=0, queries=queries, groups=groups, dtype=dtype, dim=dim, seed=groups)
