@@ -6,7 +6,9 @@ attention reads slots [0, L] (all valid, so no mask), the policies observe and s
 cell's lowest-scoring slot takes slot L's token (drop one by argmin, a gather and a scatter).
 Shapes never change and nothing is read back to the host, so ``torch.compile(fullgraph=True)``
 captures the step of every such layer, and with them the whole model step, which CUDA graphs
-can replay.
+can replay. The step's attention is the torch path's (`backend.torch_ref`: SDPA, or the few ops of
+a tracked decode step), whatever backend the layer's other calls run: a compiler fuses those ops
+itself, and Triton kernels launched by hand would be opaque to it.
 
 What must not happen inside the step: Python counters that change from step to step (the
 compiled graph would be specialized on them and recompiled at every step) and reading a device
@@ -47,8 +49,6 @@ class StaticDecode:
             return f"its budget has slack {budgets.slack} (compaction every slack + 1 steps changes shapes)"
         if self.drops_early or self.token_id_policies or self.in_cache_cells is not None or not self.profiled:
             return "a policy drops tokens early, reads token ids, moves positions in the cache or profiles the prompt"
-        if self.backend != "torch":
-            return f"the {self.backend} backend is not traced (the compiled step runs the torch path)"
         if store.packed_tokens != budgets.uniform_limit:
             return "the cache is not full to its budget yet"
         if store.capacity < store.used + 1:
