@@ -22,15 +22,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 rm -rf /tmp/smollm2-shape && cp -r .gpu/smollm2-shape /tmp/smollm2-shape
 
-steps=${GPU_STEPS:-triton_tests gpu_attention gpu_check bench}
+steps=${GPU_STEPS:-triton_tests gpu_attention gpu_check bench core_speed}
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     case " $steps " in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name (limit ${limit}s)"
     local started=$SECONDS
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local log="$out/$name${LOG_SUFFIX:-}.log"  # LOG_SUFFIX: one log per run of a step that runs more than once
+    timeout "$limit" "$@" > "$log" 2>&1
     local rc=$?
-    tail -n 40 "$out/$name.log"
+    tail -n 40 "$log"
     echo "=== $name: rc=$rc in $((SECONDS - started))s"
 }
 
@@ -44,3 +45,10 @@ g.DEVICE = torch.device('cuda'); g.random_model(Path('/tmp/smollm2-shape'), torc
 step bench "${GPU_BENCH_LIMIT:-300}" python3 -m kvpolicy.commands.cli bench --model /tmp/smollm2-shape --device cuda \
     --dtype bfloat16 --recipes full h2o streaming --kv-memory 4GiB --prompt-tokens 2048 --new-tokens 64 \
     --max-batch 256 --repeats 3 --out "$out/bench"
+# compiled end to end (issue #18): plain transformers eager and compiled (StaticCache + CUDA graphs) against kvpolicy
+# h2o 20% eager and compiled (session.compile(mode="reduce-overhead")), SmolLM2 shapes, 4,096 tokens, batch 1 and 8
+for batch in 1 8; do
+    LOG_SUFFIX=_b$batch step core_speed "${GPU_SPEED_LIMIT:-300}" python3 benchmarks/core_speed.py --model /tmp/smollm2-shape --device cuda \
+        --dtype bfloat16 --compile --compile-mode reduce-overhead --contexts 4096 --batch "$batch" --new-tokens 64 \
+        --repeats 3 --out "$out/core_speed_b$batch.json"
+done

@@ -34,7 +34,7 @@ from pathlib import Path
 # run from a checkout without installing: the repository root holds the kvpolicy package
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
-TARGETS = {"decode": 1.2, "prefill": 1.5}
+TARGETS = {"decode": 1.3, "prefill": 1.5}  # issue #18: decode with statistics <= 1.3x SDPA, prefill <= 1.5x
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,9 +152,11 @@ class Bench:
         gqa = a.q_heads != a.kv_heads
 
         def tracking(needs):
+            # a prefill here is a fresh causal prompt, as a layer vouches for it (causal_only): the output and its
+            # log-sum-exp then come from PyTorch's fused attention, the statistics from one extra pass
             return lambda: self.kernels.attend_tracking_triton(
                 c["query"], c["keys"], c["values"], c["valid"], c["positions"], c["query_positions"], scale,
-                needs, None, c["past"], a.last_rows,
+                needs, None, c["past"], a.last_rows, causal_only=phase == "prefill",
             )
 
         runs = {}

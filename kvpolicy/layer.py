@@ -28,6 +28,7 @@ from .plan import LayerPlan
 from .policies.base import AttentionStats, TokenView
 from .policy_calls import NaNCheck, PolicyGroup, call_policy, checked, stats_for
 from .rotary import in_cache_deltas, rotate
+from .static_decode import StaticDecode
 from .storage.base import KVStore, storage_bytes
 from .storage.dense import DenseStore
 from .storage.ragged import RaggedStore, ragged_pays
@@ -40,7 +41,7 @@ class TokenFeed:
     ids: torch.Tensor | None = None
 
 
-class PolicyLayer:
+class PolicyLayer(StaticDecode):
     def __init__(self, layer_idx: int, row_plans: list[LayerPlan], groups: list[PolicyGroup],
                  prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None):
         """``row_plans``: one LayerPlan shared by every batch row, or one per batch row."""
@@ -209,14 +210,19 @@ class PolicyLayer:
         )
 
     # --- eviction ---------------------------------------------------------------------------------------
-    def _scores(self) -> torch.Tensor:
+    def _scores(self, defer_nan_check: bool = False) -> torch.Tensor:
+        """Every group's scores for its cells, invalid slots at -inf. ``defer_nan_check``: a NaN is only noted on the
+        device (the static decode step, which reads nothing back; `NaNCheck.raise_noted` reads it later)."""
         view = self.token_view()
         scores = None
         for group in self.groups:
             given = call_policy(group.policy, "score", group.policy.score, self.group_state(group), view)
             group_scores = checked(group.policy, "returned scores", given, view.valid.shape,
                                    "batch, kv_heads, slots").float()
-            self._nan_check.note(group.policy, group_scores)
+            if defer_nan_check:
+                self._nan_check.accumulate(group.policy, group_scores)
+            else:
+                self._nan_check.note(group.policy, group_scores)
             cells = group.cells.to(group_scores.device)[:, :, None]
             scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
         return scores.masked_fill(~view.valid, -torch.inf)

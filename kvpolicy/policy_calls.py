@@ -81,6 +81,26 @@ class NaNCheck:
                 if bool(flag):
                     self._raise(name)
 
+    def prime(self, names: list[str], device: torch.device) -> None:
+        """A flag on ``device`` for each policy before compiled steps run, so every step sees the same objects."""
+        for name in names:
+            self.flags.setdefault(name, torch.zeros((), dtype=torch.bool, device=device))
+
+    def accumulate(self, policy: Policy, scores: torch.Tensor) -> None:
+        """Note a NaN on the device only, never read here (a compiled step); `raise_noted` reads the flags."""
+        nan = torch.isnan(scores).any()
+        flag = self.flags.get(policy.name)
+        if flag is None:
+            self.flags[policy.name] = nan
+        else:
+            flag.logical_or_(nan)  # in place: the same tensor from step to step (no new Python object in a graph)
+
+    def raise_noted(self) -> None:
+        """Raise for a policy whose scores held NaN since the flags were last read (one host sync per policy)."""
+        for name, flag in self.flags.items():
+            if bool(flag):
+                self._raise(name)
+
     @staticmethod
     def _raise(name: str) -> None:
         raise KVPolicyError(f"policy {name!r} returned NaN scores; use -inf to drop a token, +inf to pin it")

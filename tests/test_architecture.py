@@ -35,7 +35,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
     ),
     1: (  # kernels and storage
         "kvpolicy.backend", "kvpolicy.storage", "kvpolicy.memory_report", "kvpolicy.rotary", "kvpolicy.layer",
-        "kvpolicy.budgets", "kvpolicy.policy_calls",
+        "kvpolicy.budgets", "kvpolicy.policy_calls", "kvpolicy.static_decode",
     ),
     2: (  # engine integrations
         "kvpolicy.hf", "kvpolicy.integrations",

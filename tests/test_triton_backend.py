@@ -125,22 +125,24 @@ def reference(case, needs, last_rows, sliding_window=None, packed=False):
     )
 
 
-def triton_run(case, needs, last_rows, sliding_window=None, mode="auto"):
+def triton_run(case, needs, last_rows, sliding_window=None, mode="auto", causal_only=False, config=None):
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
 
     query = case["query"]
     return attend_tracking_triton(
         query, case["keys"], case["values"], case["valid"], case["key_positions"], case["query_positions"],
         query.shape[-1] ** -0.5, needs, case["query_valid"], case["past_slots"], last_rows, sliding_window,
-        mode=mode,
+        mode=mode, causal_only=causal_only, config=config,
     )
 
 
-def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decode", "prefill"), packed=False):
+def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decode", "prefill"), packed=False,
+          stat_tol=None, config=None):
     ref_out, ref = reference(case, needs, last_rows, sliding_window, packed)
     dtype = case["query"].dtype
     for mode in modes:
-        out, stats = triton_run(case, needs, last_rows, sliding_window, mode)
+        out, stats = triton_run(case, needs, last_rows, sliding_window, mode, causal_only=mode == "prefill_sdpa",
+                                config=config)
         assert out.dtype == dtype and out.shape == ref_out.shape, mode
         torch.testing.assert_close(
             out.float(), ref_out.float(), **OUT_TOL[dtype], msg=lambda m, mode=mode: f"{mode} output: {m}"
@@ -157,7 +159,7 @@ def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decod
                 assert_counts_close(mine, theirs, case, mode)
                 continue
             torch.testing.assert_close(
-                mine, theirs, **STAT_TOL, msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}"
+                mine, theirs, **(stat_tol or STAT_TOL), msg=lambda m, mode=mode, name=name: f"{mode} {name}: {m}"
             )
 
 
@@ -172,6 +174,73 @@ def assert_counts_close(mine, theirs, case, mode):
 
 
 # --- kernels against the reference ------------------------------------------------------------------
+def _tuning_spaces():
+    from kvpolicy.backend.triton_tuning import DECODE_SPACE, FORWARD_SPACE, STATS_SPACE, distinct_blocks
+
+    decode = distinct_blocks(DECODE_SPACE, ("dec_n",))
+    forward = distinct_blocks(FORWARD_SPACE, ("fwd_m", "fwd_n"))
+    stats = distinct_blocks(STATS_SPACE, ("stats_m", "stats_n"))
+    prefill = [{**forward[i % len(forward)], **stats[i % len(stats)]} for i in range(max(len(forward), len(stats)))]
+    return decode, prefill
+
+
+DECODE_BLOCKS, PREFILL_BLOCKS = _tuning_spaces()
+
+
+@in_process
+@pytest.mark.parametrize("entry", DECODE_BLOCKS, ids=lambda e: f"n{e['dec_n']}")
+def test_every_decode_block_of_the_tuning_space(entry):
+    """Each block size the autotuner may pick, with the key slots split across programs, equals the reference."""
+    check(make_case(groups=4, past=150, queries=1, seed=5), modes=("decode",), config=entry)
+
+
+@in_process
+@pytest.mark.parametrize("entry", PREFILL_BLOCKS, ids=lambda e: f"m{e['fwd_m']}n{e['fwd_n']}-m{e['stats_m']}n{e['stats_n']}")
+def test_every_prefill_block_of_the_tuning_spaces(entry):
+    check(make_case(groups=2, past=20, queries=70, pads=3, seed=6), modes=("prefill",), config=entry)
+
+
+def fresh_prompt(groups, dtype=torch.float32, queries=40, dim=64):
+    """A prompt's first call: every slot one of its queries, all valid, no pads (what SDPA's causal mask covers)."""
+    return make_case(past=0, queries=queries, groups=groups, dtype=dtype, dim=dim, seed=groups)
+
+
+@in_process
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompt_from_fused_attention_and_its_log_sum_exp(groups, dtype):
+    """The output and log-sum-exp of PyTorch's fused attention, then the statistics pass, equal the reference.
+
+    In half precision the fused kernel's log-sum-exp comes from its own rounding of the logits (the statistics
+    pass and the reference take exact fp32 products): probabilities agree to a relative 1e-4, not 2e-5."""
+    tol = None if dtype == torch.float32 else dict(atol=2e-4, rtol=1e-4)
+    check(fresh_prompt(groups, dtype), modes=("prefill_sdpa",), packed=True, stat_tol=tol)
+
+
+@in_process
+@pytest.mark.parametrize(("needs", "last_rows"), [(frozenset({"last_rows"}), 8), (frozenset({"colsum"}), 0),
+                                                  (frozenset({"below_uniform", "last_rows"}), 4)])
+def test_fresh_prompt_statistics_a_policy_reads_only(needs, last_rows):
+    check(fresh_prompt(2, queries=56), needs, last_rows, modes=("prefill_sdpa",), packed=True)
+
+
+@in_process
+def test_auto_mode_takes_fused_attention_for_a_fresh_prompt_only(monkeypatch):
+    from kvpolicy.backend import triton_kernels
+
+    calls = []
+    real = triton_kernels.causal_attention_with_lse
+    monkeypatch.setattr(triton_kernels, "causal_attention_with_lse", lambda *a: calls.append(1) or real(*a))
+    case = fresh_prompt(3)
+    triton_run(case, ALL_STATS, 3, causal_only=True)
+    assert calls == [1]
+    triton_run(case, ALL_STATS, 3, causal_only=False)  # a call the layer did not vouch for: the own kernels
+    triton_run(make_case(past=20, queries=24), ALL_STATS, 3, causal_only=True)  # past slots: not a fresh prompt
+    assert calls == [1]
+    with pytest.raises(ValueError, match="fresh causal prompt"):
+        triton_run(make_case(past=20, queries=24), ALL_STATS, 3, mode="prefill_sdpa")
+
+
 @in_process
 @pytest.mark.parametrize("groups", [1, 3, 4])
 @pytest.mark.parametrize("dim", [64, 128])

@@ -43,7 +43,17 @@ import triton.language as tl
 from ..policies.base import AttentionStats
 from . import torch_ref
 from .call import AttentionCall, AttentionResult
+from .sdpa_lse import causal_attention_with_lse
 from .select import interpreting
+from .triton_tuning import (
+    DECODE_SPACE,
+    DECODE_SPLIT_MULTIPLE,
+    FORWARD_SPACE,
+    STATS_SPACE,
+    autotuning,
+    length_bucket,
+    tuned,
+)
 
 LOG2E = 1.4426950408889634
 #: the decode path is taken when the G query heads times the queries of a call fit one tile of rows
@@ -105,10 +115,11 @@ def _prefill_fwd_kernel(
     stride_pb, stride_ph, stride_pn,
     stride_qpb, stride_qpm,
     stride_ob, stride_om, stride_oh, stride_od,
-    Hq, Hkv, G, QLEN, T, past_slots, window, qk_scale,
+    Hq, Hkv, G, QLEN, T, past_slots, window, qk_scale, T_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, WANT_CNT: tl.constexpr,
 ):
+    # T_BUCKET (unused here): the autotuner's key, a power-of-two bucket of the length
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hq).to(tl.int64)
@@ -171,7 +182,7 @@ def _prefill_stats_kernel(
     stride_pb, stride_ph, stride_pn,
     stride_qpb, stride_qpm,
     stride_qvb, stride_qvm,
-    Hq, Hkv, G, QLEN, T, past_slots, window, qk_scale, inv_g, W,
+    Hq, Hkv, G, QLEN, T, past_slots, window, qk_scale, inv_g, W, T_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, HAS_QVALID: tl.constexpr,
     WANT_SUM: tl.constexpr, WANT_SQ: tl.constexpr, WANT_BELOW: tl.constexpr, WANT_ROWS: tl.constexpr,
@@ -265,7 +276,7 @@ def _decode_partial_kernel(
     stride_mb, stride_mh, stride_mn,
     stride_pb, stride_ph, stride_pn,
     stride_qpb, stride_qpm,
-    Hkv, G, R, T_EFF, window, qk_scale, split_len, NUM_SPLITS,
+    Hkv, G, R, T_EFF, window, qk_scale, split_len, NUM_SPLITS, T_BUCKET,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, UPCAST: tl.constexpr, STORE_S: tl.constexpr,
 ):
@@ -396,6 +407,18 @@ def _decode_finish_kernel(
             tl.store(r_ptrs, last, mask=(offs_w < W)[:, None] & n_ok[None, :])
 
 
+# the same kernels under triton.autotune, for the GPU (`triton_tuning`: the spaces, and why the keys)
+_decode_partial_tuned = tuned(_decode_partial_kernel, DECODE_SPACE, {"dec_n": "BLOCK_N"}, "dec_warps", "dec_stages",
+                              key=["HEAD_DIM", "BLOCK_R", "T_BUCKET", "UPCAST", "STORE_S", "HAS_WINDOW"])
+_prefill_fwd_tuned = tuned(_prefill_fwd_kernel, FORWARD_SPACE, {"fwd_m": "BLOCK_M", "fwd_n": "BLOCK_N"}, "fwd_warps",
+                           "fwd_stages", key=["HEAD_DIM", "T_BUCKET", "UPCAST", "WANT_CNT", "HAS_WINDOW"])
+_prefill_stats_tuned = tuned(_prefill_stats_kernel, STATS_SPACE, {"stats_m": "BLOCK_M", "stats_n": "BLOCK_N"},
+                             "stats_warps", "stats_stages",
+                             key=["HEAD_DIM", "T_BUCKET", "UPCAST", "HAS_QVALID", "WANT_SUM", "WANT_SQ", "WANT_BELOW",
+                                  "WANT_ROWS"],
+                             reset_to_zero=["ROWS"])  # it adds into ROWS: each timed run starts from zeros
+
+
 # --------------------------------------------------------------------------------------------------
 # host side
 # --------------------------------------------------------------------------------------------------
@@ -426,6 +449,14 @@ def _num_splits(batch_heads: int, keys: int, block: int, interpret: bool, device
     return max(1, min(blocks, triton.cdiv(2 * sms, batch_heads)))
 
 
+def _launch(tune: bool, kernel, tuned_kernel, grid, args: tuple, constants: dict, fixed: dict) -> None:
+    """``kernel`` on ``grid(meta)`` with ``fixed`` block sizes, warps and stages, or ``tuned_kernel`` choosing them."""
+    if tune:
+        tuned_kernel[grid](*args, **constants)
+    else:
+        kernel[grid(fixed)](*args, **constants, **fixed)
+
+
 def _as_u8(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
@@ -446,6 +477,7 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     out, stats = attend_tracking_triton(
         query, call.keys, call.values, call.valid, call.key_positions, call.query_positions, call.scaling,
         call.needs, call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
+        causal_only=call.causal_only,
     )
     return AttentionResult(out, stats)
 
@@ -465,6 +497,8 @@ def attend_tracking_triton(
     sliding_window: int | None = None,
     *,
     mode: str = "auto",
+    causal_only: bool = False,
+    config: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention output [B, q, Hq, D] (query dtype) plus the requested fp32 statistics over the T slots.
 
@@ -473,8 +507,11 @@ def attend_tracking_triton(
     int64 (-1 for pads); ``query_valid`` [B, q] bool or None (all real). Statistics are those of
     `torch_ref.attend_tracking`: summed over the call's real queries, mean over the G query
     heads of each KV head; only the ones named in ``needs`` are computed (others are None).
-    ``mode`` forces the "decode" or "prefill" kernels (tests); "auto" picks decode when
-    ``G * q <= DECODE_MAX_ROWS``.
+    ``mode`` forces the "decode" or "prefill" kernels, or "prefill_sdpa" (tests); "auto" picks decode when
+    ``G * q <= DECODE_MAX_ROWS``, else for a fresh causal prompt (``causal_only``: every slot valid, no pads, no
+    window; and no past slots) PyTorch's fused attention for the output and its log-sum-exp (`sdpa_lse`), then
+    the statistics pass, else the prefill kernels. ``config``: block sizes, warps and stages by hand (keys of
+    `_configs`, an entry of a `triton_tuning` space); else autotuned on a GPU, fixed under the interpreter.
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, total = keys.shape[1], keys.shape[2]
@@ -491,7 +528,8 @@ def attend_tracking_triton(
         raise RuntimeError("the Triton backend needs a CUDA device (or TRITON_INTERPRET=1 on CPU)")
     native = not interpret or (NATIVE_DOT_UNDER_INTERPRETER and query.dtype == torch.float16)
     upcast = not native or torch.float32 in (query.dtype, keys.dtype, values.dtype)
-    cfg = _configs(dim, interpret)
+    cfg = {**_configs(dim, interpret), **(config or {})}
+    tune = not interpret and config is None and autotuning()
     block_d = max(16, triton.next_power_of_2(dim))
     qk_scale = float(scaling) * LOG2E
     window = int(sliding_window) if sliding_window is not None else 0
@@ -506,8 +544,14 @@ def attend_tracking_triton(
     f32 = dict(dtype=torch.float32, device=device)
     rows = groups * queries
     use_decode = mode == "decode" or (mode == "auto" and rows <= DECODE_MAX_ROWS)
-    if mode not in ("auto", "decode", "prefill"):
-        raise ValueError(f"mode must be auto, decode or prefill, not {mode!r}")
+    if mode not in ("auto", "decode", "prefill", "prefill_sdpa"):
+        raise ValueError(f"mode must be auto, decode, prefill or prefill_sdpa, not {mode!r}")
+    fresh_prompt = causal_only and past_slots == 0 and total == queries and query_valid is None and not sliding_window
+    if mode == "prefill_sdpa" and not fresh_prompt:
+        raise ValueError("prefill_sdpa needs a fresh causal prompt: causal_only, no past slots, no pads, no window")
+    fused = None
+    if not use_decode and fresh_prompt and mode in ("auto", "prefill_sdpa"):
+        fused = causal_attention_with_lse(query, keys, values, scaling)
     t_eff = min(total, past_slots + queries)  # slots past the last query's own are never visible
     # the kernels write every column they can see; zero-fill only what they leave (or accumulate into)
     fill = torch.zeros if t_eff < total else torch.empty
@@ -538,20 +582,22 @@ def attend_tracking_triton(
 
     if use_decode:
         block_r = max(16, triton.next_power_of_2(rows))
-        splits = _num_splits(batch * kv_heads, t_eff, cfg["dec_n"], interpret, device)
-        split_len = triton.cdiv(triton.cdiv(max(t_eff, 1), splits), cfg["dec_n"]) * cfg["dec_n"]
+        multiple = DECODE_SPLIT_MULTIPLE if tune else cfg["dec_n"]  # a split never ends inside a block
+        splits = _num_splits(batch * kv_heads, t_eff, multiple, interpret, device)
+        split_len = triton.cdiv(triton.cdiv(max(t_eff, 1), splits), multiple) * multiple
         splits = triton.cdiv(max(t_eff, 1), split_len)
         scores = torch.empty(batch * kv_heads, rows, t_eff, **f32) if any_stats else dummy
         m_part = torch.empty(batch * kv_heads, splits, block_r, **f32)
         l_part, c_part = torch.empty_like(m_part), torch.empty_like(m_part)
         acc_part = torch.empty(batch * kv_heads, splits, block_r, block_d, **f32)
-        _decode_partial_kernel[(splits, batch * kv_heads)](
-            query, keys, values, valid_u8, key_positions, query_positions, scores, m_part, l_part, c_part, acc_part,
-            *qs, *ks, *vs, *ms, *ps, *qps,
-            kv_heads, groups, rows, t_eff, window, qk_scale, split_len, splits,
-            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=cfg["dec_n"],
-            HAS_WINDOW=has_window, UPCAST=upcast, STORE_S=any_stats,
-            num_warps=cfg["dec_warps"], num_stages=cfg["dec_stages"],
+        _launch(
+            tune, _decode_partial_kernel, _decode_partial_tuned, lambda meta: (splits, batch * kv_heads),
+            (query, keys, values, valid_u8, key_positions, query_positions, scores, m_part, l_part, c_part, acc_part,
+             *qs, *ks, *vs, *ms, *ps, *qps,
+             kv_heads, groups, rows, t_eff, window, qk_scale, split_len, splits, length_bucket(t_eff)),
+            dict(HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_R=block_r, HAS_WINDOW=has_window, UPCAST=upcast,
+                 STORE_S=any_stats),
+            dict(BLOCK_N=cfg["dec_n"], num_warps=cfg["dec_warps"], num_stages=cfg["dec_stages"]),
         )
         block_n = min(cfg["finish_n"], max(16, triton.next_power_of_2(t_eff))) if any_stats else 16
         grid_n = triton.cdiv(t_eff, block_n) if any_stats else 1
@@ -562,25 +608,38 @@ def attend_tracking_triton(
             BLOCK_W=max(2, triton.next_power_of_2(max(rows_w, 1))), **flags, num_warps=4,
         )
     else:
-        lse = torch.empty(batch, q_heads, queries, **f32)
-        cnt = torch.empty(batch, kv_heads, queries, **f32) if below is not None else dummy
-        _prefill_fwd_kernel[(triton.cdiv(queries, cfg["fwd_m"]), batch * q_heads)](
-            query, keys, values, valid_u8, key_positions, query_positions, out, lse, cnt,
-            *qs, *ks, *vs, *ms, *ps, *qps, *os_,
-            q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale,
-            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=cfg["fwd_m"], BLOCK_N=cfg["fwd_n"],
-            HAS_WINDOW=has_window, UPCAST=upcast, WANT_CNT=below is not None,
-            num_warps=cfg["fwd_warps"], num_stages=cfg["fwd_stages"],
-        )
+        if fused is not None:  # the output and log-sum-exp of the fused kernel; only the statistics pass is ours
+            fused_out, lse = fused
+            out.copy_(fused_out)
+            lse = lse.contiguous()
+            cnt = dummy
+            if below is not None:  # query i of a fresh causal prompt sees keys 0..i
+                cnt = torch.arange(1, queries + 1, **f32).expand(batch, kv_heads, queries).contiguous()
+        else:
+            lse = torch.empty(batch, q_heads, queries, **f32)
+            cnt = torch.empty(batch, kv_heads, queries, **f32) if below is not None else dummy
+            _launch(
+                tune, _prefill_fwd_kernel, _prefill_fwd_tuned,
+                lambda meta: (triton.cdiv(queries, meta["BLOCK_M"]), batch * q_heads),
+                (query, keys, values, valid_u8, key_positions, query_positions, out, lse, cnt,
+                 *qs, *ks, *vs, *ms, *ps, *qps, *os_,
+                 q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale, length_bucket(total)),
+                dict(HEAD_DIM=dim, BLOCK_D=block_d, HAS_WINDOW=has_window, UPCAST=upcast, WANT_CNT=below is not None),
+                dict(BLOCK_M=cfg["fwd_m"], BLOCK_N=cfg["fwd_n"], num_warps=cfg["fwd_warps"],
+                     num_stages=cfg["fwd_stages"]),
+            )
         if any_stats:
-            _prefill_stats_kernel[(triton.cdiv(total, cfg["stats_n"]), batch * kv_heads)](
-                query, keys, valid_u8, key_positions, query_positions, qv_arg, lse, cnt, *stat_args,
-                *qs, *ks, *ms, *ps, *qps, *qvs,
-                q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale, 1.0 / groups,
-                max(rows_w, 1),
-                HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_M=cfg["stats_m"], BLOCK_N=cfg["stats_n"],
-                HAS_WINDOW=has_window, UPCAST=upcast, HAS_QVALID=qvalid_u8 is not None, **flags,
-                num_warps=cfg["stats_warps"], num_stages=cfg["stats_stages"],
+            _launch(
+                tune, _prefill_stats_kernel, _prefill_stats_tuned,
+                lambda meta: (triton.cdiv(total, meta["BLOCK_N"]), batch * kv_heads),
+                (query, keys, valid_u8, key_positions, query_positions, qv_arg, lse, cnt, *stat_args,
+                 *qs, *ks, *ms, *ps, *qps, *qvs,
+                 q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale, 1.0 / groups,
+                 max(rows_w, 1), length_bucket(total)),
+                dict(HEAD_DIM=dim, BLOCK_D=block_d, HAS_WINDOW=has_window, UPCAST=upcast,
+                     HAS_QVALID=qvalid_u8 is not None, **flags),
+                dict(BLOCK_M=cfg["stats_m"], BLOCK_N=cfg["stats_n"], num_warps=cfg["stats_warps"],
+                     num_stages=cfg["stats_stages"]),
             )
 
     if query_valid is not None:

@@ -18,7 +18,7 @@ import torch
 from ..errors import KVPolicyError
 from .bench_cap import attach_configs, parse_bytes, run_throughput
 from .bench_stream import run_stream
-from .common import pyplot, quiet_torch, read_text, require
+from .common import add_device_arguments, pyplot, quiet_torch, read_text, require, torch_dtype
 from .output_files import OutputLock, write_atomically
 
 DEFAULT_RECIPES = ["full", "h2o", "streaming"]
@@ -26,7 +26,7 @@ DEFAULT_RECIPES = ["full", "h2o", "streaming"]
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    add("--model", default="smollm2", help="model alias, local Hugging Face folder or Hub id (default: smollm2)")
     add("--recipes", nargs="+", default=None, metavar="RECIPE",
         help=f"recipes to measure under the cap; plain transformers is always the baseline "
              f"(default: {' '.join(DEFAULT_RECIPES)})")
@@ -47,8 +47,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="budget in tokens of a stream whose recipe has a ratio budget (default: 1024)")
     add("--stream-chunk", type=int, default=16, help="tokens per forward pass of the stream (default: 16)")
     add("--every", type=int, default=256, help="record memory every this many streamed tokens (default: 256)")
-    add("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    add("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_device_arguments(parser)
     add("--threads", type=int, default=None,
         help="torch threads, fixed for the run and printed (default: all cores on CPU)")
     add("--text-file", help="text to take prompts from (default: the pydoc topics that ship with CPython)")
@@ -172,14 +171,12 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
         return []
     Console = require("rich.console").Console
     require("matplotlib")  # for the plots: a missing one fails now, not after the run
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise KVPolicyError(f"--device {args.device}: no CUDA device is visible; use --device cpu")
     console = Console(width=max(132, Console().width))
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     threads = args.threads or torch.get_num_threads()
     with OutputLock(out, "kvpolicy bench"), quiet_torch(threads):
-        model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
         text, source = read_text(args.text_file)
         text_ids = tokenizer(text, return_tensors="pt")["input_ids"][0]
         head = (f"kvpolicy bench: model {args.model} ({args.dtype}, {args.device}), torch threads {torch.get_num_threads()}, "

@@ -13,7 +13,17 @@ from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
-from .common import THREADS, ArgumentParser, bound_numbers, count, parse_budget, quiet_torch, read_text
+from .common import (
+    THREADS,
+    ArgumentParser,
+    add_device_arguments,
+    bound_numbers,
+    count,
+    parse_budget,
+    quiet_torch,
+    read_text,
+    torch_dtype,
+)
 from .compare import add_compare_arguments, run_compare
 from .profile import params_from_args, profile_model, runtime_recipe
 
@@ -36,18 +46,21 @@ def _generate(args: argparse.Namespace, text: str, recipe) -> None:
     from ..hf.models import load_model
     from ..hf.session import attach
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     session = attach(model, recipe, tokenizer=tokenizer)
+    if args.compile:
+        session.compile()
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt").to(args.device)
     started = time.perf_counter()
     with torch.inference_mode():
         output = session.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False)
     elapsed = time.perf_counter() - started
     new_tokens = output[0, inputs["input_ids"].shape[1] :]
     print(tokenizer.decode(new_tokens, skip_special_tokens=True))
-    print(f"\n--- {recipe.name}: {inputs['input_ids'].shape[1]} prompt tokens, {len(new_tokens)} generated in {elapsed:.1f} s")
+    print(f"\n--- {recipe.name}: {inputs['input_ids'].shape[1]} prompt tokens, {len(new_tokens)} generated in {elapsed:.1f} s "
+          f"({args.dtype}, {args.device})")
     print(session.plan.describe())
     print(session.last_cache.memory_report())
 
@@ -59,17 +72,27 @@ def _model_shape(name: str) -> tuple[int, int]:
     resolved = resolve_alias(name)
     if resolved.lower() in _ALIAS_SPELLINGS:
         return DEFAULT_SHAPE
-    if not (Path(resolved).expanduser() / "config.json").is_file():
-        aliases = ", ".join(sorted({"smollm2", *model_aliases()}))
-        raise KVPolicyError(f"--model {name!r} is neither a model alias ({aliases}) nor a local folder with a config.json")
     from transformers import AutoConfig
 
-    from ..hf.models import folder_errors
+    from ..hf.models import folder_errors, hub_offline, looks_like_hub_id
     from ..hf.session import checked_shape
 
     folder = Path(resolved).expanduser()
-    with folder_errors(folder):
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if not (folder / "config.json").is_file():
+        aliases = ", ".join(sorted({"smollm2", *model_aliases()}))
+        unknown = f"--model {name!r} is neither a model alias ({aliases}), a local folder with a config.json"
+        if not looks_like_hub_id(resolved):
+            raise KVPolicyError(f"{unknown}, nor a Hub id (org/name)")
+        try:  # a Hub id: its config alone, from the local cache or (downloads allowed) the Hub
+            config = AutoConfig.from_pretrained(resolved, local_files_only=hub_offline())
+        except (OSError, ValueError):
+            raise KVPolicyError(f"{unknown}, nor a Hub id whose config is in the local Hugging Face cache or can be "
+                                "downloaded" + (" (downloads are off: HF_HUB_OFFLINE=1)" if hub_offline() else "")) \
+                from None
+        folder = Path(resolved)
+    else:
+        with folder_errors(folder):
+            config = AutoConfig.from_pretrained(folder, local_files_only=True)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
     return checked_shape(getattr(config, "num_hidden_layers", None), heads, f"the model in {str(folder)!r}")
@@ -124,7 +147,7 @@ def _profile(args: argparse.Namespace) -> None:
     runtime_recipe(**params)  # bad params fail here, before the model loads
     if args.out.exists() and args.out.is_dir():
         raise KVPolicyError(f"--out {str(args.out)!r} is a folder: give the recipe file to write, e.g. recipe.yaml")
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     if args.chat and getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat)["input_ids"][0]
@@ -136,6 +159,8 @@ def _profile(args: argparse.Namespace) -> None:
                                   *(["--prompt-file", args.prompt_file] if args.prompt_file else []),
                                   *(["--tokens", str(args.tokens)] if args.tokens else []),
                                   *(["--chat"] if args.chat else []),
+                                  *(["--device", args.device] if args.device != "cpu" else []),
+                                  *(["--dtype", args.dtype] if args.dtype != "float32" else []),
                                   *[part for key, value in params.items()
                                     for part in (f"--{key.replace('_', '-')}", *map(str, _listed(value)))],
                                   "--out", str(args.out)])
@@ -157,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a recipe and print the KV memory report")
-    gen.add_argument("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    gen.add_argument("--model", default="smollm2", help="model alias, local Hugging Face folder or Hub id (default: smollm2)")
     gen.add_argument("--recipe", default="h2o", help="recipe file or built-in name (default: h2o)")
     gen.add_argument("--budget", help="override the recipe's budget: a ratio (0.2) or tokens (512)")
     source = gen.add_mutually_exclusive_group(required=True)
@@ -165,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--prompt-file", help="a file holding the prompt")
     gen.add_argument("--max-new-tokens", type=count(1), default=128, help="tokens to generate (default: 128)")
     gen.add_argument("--no-chat", dest="chat", action="store_false", help="do not apply the chat template")
+    add_device_arguments(gen)
+    gen.add_argument("--compile", action="store_true",
+                     help="decode through one compiled model step (torch.compile, fullgraph) once the cache is full; "
+                          "pays a compile first: for GPUs and long generations")
     gen.set_defaults(func=cmd_generate)
 
     val = sub.add_parser("validate", help="check a recipe and print its plan per layer and head")
@@ -175,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     val.set_defaults(func=cmd_validate)
 
     prof = sub.add_parser("profile", help="FastGen: profile each head's pattern on a prompt, write a recipe")
-    prof.add_argument("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    prof.add_argument("--model", default="smollm2", help="model alias, local Hugging Face folder or Hub id (default: smollm2)")
     source = prof.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="the profiling prompt text")
     source.add_argument("--prompt-file", help="a file holding the profiling prompt")
@@ -192,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--tokens", type=count(1), help="profile only the first N tokens of the prompt")
     prof.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     prof.add_argument("--threads", type=THREADS, help="torch threads (default: torch's choice)")
+    add_device_arguments(prof)
     prof.set_defaults(func=cmd_profile)
 
     sub.add_parser("policies", help="list the registered policies").set_defaults(func=cmd_policies)

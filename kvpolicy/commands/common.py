@@ -1,5 +1,5 @@
-"""What the commands share: budgets and text from the command line, torch's settings for a run, and a clear
-message when an optional package is missing.
+"""What the commands share: budgets, devices, dtypes and text from the command line, torch's settings for a run,
+and a clear message when an optional package is missing.
 
 Every command module imports from here (and from the layers below), never from another command, so the
 commands import one way only.
@@ -118,6 +118,66 @@ def finite(text: str) -> float:
     if not math.isfinite(value) or abs(value) > MAX_TOKENS:
         raise argparse.ArgumentTypeError(f"{text}: give a finite number (not inf or nan) of at most {MAX_TOKENS}")
     return value
+
+
+#: --dtype spellings -> the torch dtype's name (the first of each is the canonical one, shown in errors and results)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def parse_dtype(text: str) -> str:
+    """An argparse ``type``: a floating dtype's canonical name (``bf16`` -> ``bfloat16``), else a one-line error."""
+    name = DTYPES.get(text.strip().lower())
+    if name is None:
+        valid = ", ".join(dict.fromkeys(DTYPES.values()))
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: choose one of {valid} (or bf16, fp16, fp32)")
+    return name
+
+
+parse_dtype.__name__ = "dtype"
+
+
+def parse_device(text: str) -> str:
+    """An argparse ``type``: a device this machine has (cpu, cuda, cuda:N, mps), else a one-line error saying what
+    to use instead. Checked when the command line is read, so a wrong device fails before a model loads."""
+    try:
+        device = torch.device(text.strip().lower())
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: give cpu, cuda, cuda:N or mps") from None
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "torch sees no CUDA device"
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has no CUDA device ({why}, torch "
+                                             f"{torch.__version__}); use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                                             f"cuda:{count - 1}")
+        return str(device)
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise argparse.ArgumentTypeError(f"{text!r}: Apple's Metal (MPS) is not available on this machine; "
+                                             "use --device cpu")
+        return "mps"
+    raise argparse.ArgumentTypeError(f"device {text!r} is not supported: give cpu, cuda, cuda:N or mps")
+
+
+parse_device.__name__ = "device"
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--dtype``, the same on every command that runs a model."""
+    parser.add_argument("--device", type=parse_device, default="cpu",
+                        help="where the model runs: cpu, cuda, cuda:N or mps (default: cpu)")
+    parser.add_argument("--dtype", type=parse_dtype, default="float32",
+                        help="weights and KV cache dtype: float32, bfloat16 or float16 (default: float32)")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `parse_dtype` name."""
+    return getattr(torch, DTYPES[name])
 
 
 DEFAULT_TEXT = "pydoc_data.topics"

@@ -23,7 +23,16 @@ from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
 from ..recipe import load_recipe, with_budget
 from ..registry import describe_failure, get_registry
-from .common import THREADS, count, parse_budget, quiet_torch, read_text, require
+from .common import (
+    THREADS,
+    add_device_arguments,
+    count,
+    parse_budget,
+    quiet_torch,
+    read_text,
+    require,
+    torch_dtype,
+)
 from .compare_report import plot_sweep, table
 from .output_files import OutputLock, load_results, write_csv, write_jsonl
 
@@ -38,7 +47,7 @@ MIN_TOKENS = 16
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--model", default="smollm2", help="model alias or local Hugging Face folder (default: smollm2)")
+    add("--model", default="smollm2", help="model alias, local Hugging Face folder or Hub id (default: smollm2)")
     add("--recipes", nargs="+", default=DEFAULT_RECIPES, metavar="RECIPE",
         help="built-in recipe names or YAML files; the full cache is always added as the baseline "
              f"(default: {' '.join(DEFAULT_RECIPES)})")
@@ -61,6 +70,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add("--out", help="output folder (default: runs/compare-<timestamp>)")
     add("--force", action="store_true", help="recompute rows already in the output folder's results.jsonl")
     add("--json", action="store_true", help="print the results as JSON to stdout (the table goes to stderr)")
+    add_device_arguments(parser)
 
 
 # --- inputs ------------------------------------------------------------------------------------------
@@ -150,6 +160,14 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def _model_label(args: argparse.Namespace) -> str:
+    """The model as results name it: with its dtype and device when not the default fp32 CPU (so rows of another
+    dtype are never taken for these when a sweep resumes)."""
+    if args.device == "cpu" and args.dtype == "float32":
+        return args.model
+    return f"{args.model} ({args.dtype}, {args.device})"
+
+
 def _command(args: argparse.Namespace, out: Path) -> str:
     parts = ["kvpolicy", "compare", "--model", args.model, "--recipes", *args.recipes, "--budgets", *args.budgets,
              "--tasks", *args.tasks, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
@@ -157,6 +175,8 @@ def _command(args: argparse.Namespace, out: Path) -> str:
              "--seed", str(args.seed), "--out", str(out)]
     if args.text_file:
         parts += ["--text-file", args.text_file]
+    if args.device != "cpu" or args.dtype != "float32":
+        parts += ["--device", args.device, "--dtype", args.dtype]
     return shlex.join(parts)
 
 
@@ -185,7 +205,7 @@ def _compare(args, tasks: list[Task], budgets, recipes, text: str, text_source: 
         ctx, rows = _load(args, tasks, recipes, budgets, text, text_source)
         console.print(f"[bold]kvpolicy compare[/]: model {args.model}, {len(rows)} rows x {len(tasks)} tasks, "
                       f"text {text_source} ({ctx.text_ids.numel()} tokens), torch threads {args.threads}, out {out}")
-        meta = {"model": args.model, "text": text_source, "text_sha": hashlib.sha256(text.encode()).hexdigest()[:16],
+        meta = {"model": _model_label(args), "text": text_source, "text_sha": hashlib.sha256(text.encode()).hexdigest()[:16],
                 "seed": args.seed, "command": _command(args, out), "versions": _versions(), "threads": args.threads}
         sweep = _sweep(ctx, tasks, rows, out, meta, args.force, console)
     write_csv(out / "results.csv", load_results(out / "results.jsonl"))
@@ -204,7 +224,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
     from ..hf.models import load_model
     from ..tasks import Context
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     ctx = Context(model, tokenizer, text_ids, tokens=args.tokens, prompt_tokens=args.prompt_tokens, seed=args.seed,
                   trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model})

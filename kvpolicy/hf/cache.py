@@ -7,6 +7,7 @@ right before the model calls attention for that same layer (`active_layer`).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable
 
@@ -28,6 +29,11 @@ def active_layer(layer_idx: int) -> CacheLayer | None:
     return None
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """``cache`` where the installed transformers names it so (5.24+), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class CacheLayer(PolicyLayer, CacheLayerMixin):
     """A `PolicyLayer` speaking transformers' cache-layer protocol."""
 
@@ -44,6 +50,10 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     attention: Callable[[], str | None] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.static:  # a compiled decode step (`static_decode`): checked by the engine before the step
+            keys_values = self.static_append(key_states, value_states)
+            _active.layer = self
+            return keys_values
         current = self.attention() if self.attention is not None else None
         if current is not None and current != "kvpolicy":
             raise KVPolicyError(
@@ -71,7 +81,7 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
         """The attention call failed: stop announcing this layer (its cache refuses more tokens, see `update`)."""
         _active.layer = None
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int:  # (a compiled step passes positions and mask, so never asks)
         return self.slots_seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

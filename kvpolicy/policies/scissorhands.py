@@ -59,13 +59,14 @@ class Scissorhands(Policy):
         count = state["count"]
         count.mul_(((1.0 - 1.0 / window) ** stats.queries.double()).float()[:, None, None])
         long = stats.queries > window
-        if bool(long.any()):  # a prompt: only its last w queries count
-            rows = stats.last_rows
-            attended = rows > 0
-            below = attended & (rows * attended.sum(dim=-1, keepdim=True) < 1.0)
-            count += torch.where(long[:, None, None], below.sum(dim=2).float(), stats.below_uniform)
-        else:
-            count += stats.below_uniform
+        if stats.last_rows.shape[2] < window:  # no call in this batch is a prompt longer than w: the indicators
+            count += stats.below_uniform  # (decided by shape, not by reading `long`: a decode step never syncs)
+            return
+        # a prompt: only its last w queries count
+        rows = stats.last_rows
+        attended = rows > 0
+        below = attended & (rows * attended.sum(dim=-1, keepdim=True) < 1.0)
+        count += torch.where(long[:, None, None], below.sum(dim=2).float(), stats.below_uniform)
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         # rank by (count descending, position ascending): rank 0 is the first to go

@@ -34,10 +34,16 @@ class TOVA(Policy):
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         batch, heads, slots = view.positions.shape
-        size = int(view.positions.max()) + 2 if view.positions.numel() else 1
-        index = view.positions.clamp(min=0).reshape(batch, -1)
+        # group the row's slots by token position without knowing how many positions there are (no host sync, static
+        # shapes): sort the positions, number each distinct one, and sum per number
+        positions = view.positions.reshape(batch, -1)
+        order = positions.argsort(dim=1, stable=True)
+        ordered = positions.gather(1, order)
+        starts = torch.ones_like(ordered, dtype=torch.bool)
+        starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        index = torch.empty_like(order).scatter_(1, order, starts.long().cumsum(dim=1) - 1)  # [B, Hkv*T]
         weight = view.valid.reshape(batch, -1).to(state["row"].dtype)
-        total = torch.zeros(batch, size, dtype=weight.dtype, device=weight.device)
+        total = torch.zeros(batch, positions.shape[1], dtype=weight.dtype, device=weight.device)
         total.scatter_add_(1, index, state["row"].reshape(batch, -1) * weight)
         holders = torch.zeros_like(total).scatter_add_(1, index, weight).clamp(min=1)
         return (total / holders).gather(1, index).view(batch, heads, slots)

@@ -101,10 +101,16 @@ class Task(Protocol):
 
 
 def forward(model: Any, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
-    """``model(ids)`` continuing ``cache`` (a PolicyCache or DynamicCache)."""
+    """``model(ids)`` continuing ``cache`` (a PolicyCache or DynamicCache).
+
+    ``ids`` go to the model's device (``--device``) and the logits come back to the CPU, so tasks do their
+    arithmetic on CPU tensors whatever device the model runs on.
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
-        return model(input_ids=ids, use_cache=True, **{cache_keyword(model): cache}, **kwargs)
+        output = model(input_ids=ids.to(model.device), use_cache=True, **{cache_keyword(model): cache}, **kwargs)
+    output.logits = output.logits.cpu()
+    return output
 
 
 def batched_session(model: Any, rows: list[Row], tokenizer: Any = None):
