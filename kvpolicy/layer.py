@@ -26,7 +26,7 @@ from .errors import KVPolicyError
 from .memory_report import layer_memory
 from .plan import LayerPlan
 from .policies.base import AttentionStats, TokenView
-from .policy_calls import NaNCheck, PolicyGroup, call_policy, checked, stats_for
+from .policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, stats_for
 from .rotary import in_cache_deltas, rotate
 from .static_decode import StaticDecode
 from .storage.base import KVStore, storage_bytes
@@ -213,19 +213,8 @@ class PolicyLayer(StaticDecode):
     def _scores(self, defer_nan_check: bool = False) -> torch.Tensor:
         """Every group's scores for its cells, invalid slots at -inf. ``defer_nan_check``: a NaN is only noted on the
         device (the static decode step, which reads nothing back; `NaNCheck.raise_noted` reads it later)."""
-        view = self.token_view()
-        scores = None
-        for group in self.groups:
-            given = call_policy(group.policy, "score", group.policy.score, self.group_state(group), view)
-            group_scores = checked(group.policy, "returned scores", given, view.valid.shape,
-                                   "batch, kv_heads, slots").float()
-            if defer_nan_check:
-                self._nan_check.accumulate(group.policy, group_scores)
-            else:
-                self._nan_check.note(group.policy, group_scores)
-            cells = group.cells.to(group_scores.device)[:, :, None]
-            scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
-        return scores.masked_fill(~view.valid, -torch.inf)
+        note = self._nan_check.accumulate if defer_nan_check else self._nan_check.note
+        return combined_scores(self.groups, self.group_state, self.token_view(), note)
 
     def _evict(self) -> None:
         budgets, store = self.budgets, self.store

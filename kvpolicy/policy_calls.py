@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from .errors import KVPolicyError, first_line
-from .policies.base import AttentionStats, Policy
+from .policies.base import AttentionStats, Policy, TokenView
 
 T = TypeVar("T")
 
@@ -52,6 +52,20 @@ def checked(policy: Policy, what: str, value: object, shape: tuple[int, ...], di
         got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise KVPolicyError(f"policy {policy.name!r} {what} of shape {got}; expected [{dims}] = {tuple(shape)}")
     return value
+
+
+def combined_scores(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup], dict[str, torch.Tensor]],
+                    view: TokenView, note: Callable[[Policy, torch.Tensor], None]) -> torch.Tensor:
+    """Each group's keep-priorities on its own cells, checked (shape; ``note``: NaN) and merged into one
+    [rows, Hkv, slots] tensor, empty slots at -inf: what a cache ranks its tokens by."""
+    scores = None
+    for group in groups:
+        given = call_policy(group.policy, "score", group.policy.score, state_of(group), view)
+        group_scores = checked(group.policy, "returned scores", given, view.valid.shape, "batch, kv_heads, slots").float()
+        note(group.policy, group_scores)
+        cells = group.cells.to(group_scores.device)[:, :, None]
+        scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
+    return scores.masked_fill(~view.valid, -torch.inf)
 
 
 class NaNCheck:

@@ -17,7 +17,7 @@ import torch
 from ...backend.call import AttentionCall
 from ...backend.dispatch import attend
 from ...policies.base import TokenView
-from ...policy_calls import NaNCheck, PolicyGroup, call_policy, checked, stats_for
+from ...policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, stats_for
 from ...storage.base import top_kept
 
 
@@ -159,15 +159,7 @@ class PagedPolicies:
         return {name: state[f"{group.prefix}{name}"] for name in group.policy.state}
 
     def scores(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
-        scores = None
-        for group in self.groups:
-            given = call_policy(group.policy, "score", group.policy.score, self._state_of(group, state), view)
-            group_scores = checked(group.policy, "returned scores", given, view.valid.shape,
-                                   "requests, kv_heads, slots").float()
-            self.nan_check.note(group.policy, group_scores)
-            cells = group.cells.to(group_scores.device)[:, :, None]
-            scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
-        return scores.masked_fill(~view.valid, -torch.inf)
+        return combined_scores(self.groups, lambda group: self._state_of(group, state), view, self.nan_check.note)
 
     def evict(self, cache: PagedLayerCache, rows: RowBlocks, budget: torch.Tensor, seen: torch.Tensor,
               arena: torch.Tensor) -> None:
