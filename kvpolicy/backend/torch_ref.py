@@ -26,11 +26,14 @@ _CHUNK_ELEMENTS = 1 << 22
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     """One layer's attention call: plain SDPA when no statistics are asked for, else with score tracking."""
     query = call.prepare_query(query)
+    # one query per row sees every valid slot (they are all older): no position mask to build
+    one_query = query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
     if not call.needs:
+        if one_query and not call.causal_only:  # gaps in the slots: a masked SDPA would take its slow path
+            return AttentionResult(_decode_step(query, call.keys, call.values, call.scaling, frozenset(), 0,
+                                                call.valid)[0], None)
         return AttentionResult(attend_plain(query, call), None)
-    if (query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
-            and call.needs <= DECODE_STATS):
-        # one query per row sees every valid slot (they are all older): no position mask to build
+    if one_query and call.needs <= DECODE_STATS:
         valid = None if call.causal_only else call.valid
         return AttentionResult(*_decode_step(query, call.keys, call.values, call.scaling, call.needs,
                                              call.last_rows_window, valid))
