@@ -291,7 +291,7 @@ def compare_options_block() -> str:
         flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}")
         flag += " ..." if action.nargs == "+" else ""
         default = action.default
-        default = "-" if default is None or default is False else " ".join(default) if isinstance(default, list) else default
+        default = "-" if default is None or default is False else " ".join(map(str, default)) if isinstance(default, list) else default
         text = (action.help or "").replace("%%", "%")
         said = re.search(r"\s*\(default: ([^)]*)\)", text)  # the help's own "(default: ...)", said once
         if said and (said[1] == str(default) or default == "-"):
