@@ -38,7 +38,7 @@ LAYERS: dict[int, tuple[str, ...]] = {
         "kvpolicy.budgets", "kvpolicy.policy_calls", "kvpolicy.static_decode",
     ),
     2: (  # engine integrations
-        "kvpolicy.hf", "kvpolicy.integrations",
+        "kvpolicy.hf", "kvpolicy.integrations", "kvpolicy.lmeval",
     ),
     3: (  # commands
         "kvpolicy.commands", "kvpolicy.tasks",

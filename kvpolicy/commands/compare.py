@@ -54,14 +54,18 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add("--budgets", nargs="+", default=DEFAULT_BUDGETS, metavar="BUDGET",
         help="ratios (0.2 = 20%% of the prompt, or of the evaluated tokens for ppl) or token counts (512) "
              f"(default: {' '.join(DEFAULT_BUDGETS)})")
-    add("--tasks", nargs="+", default=DEFAULT_TASKS, metavar="TASK",
-        help=f"tasks to run (default: {' '.join(DEFAULT_TASKS)}; see kvpolicy/tasks)")
+    add("--tasks", nargs="+", metavar="TASK",
+        help=f"tasks to run, see kvpolicy/tasks (default: {' '.join(DEFAULT_TASKS)}; none with --suite)")
+    add("--suite", choices=SUITE_NAMES, metavar="SUITE",
+        help="a set of tasks: ruler-small (5 RULER-style needle and aggregation tasks: minutes at 1K tokens) or "
+             "ruler (all 11); with --tasks, both")
     add("--text-file", help="evaluation text (default: the pydoc topics that ship with CPython)")
     add("--tokens", type=count(MIN_TOKENS), default=768,
         help="evaluation length: tokens scored by ppl; prompt length of memory and speed (default: 768)")
-    add("--prompt-tokens", type=count(MIN_TOKENS), default=400, help="prompt length of passkey and fidelity (default: 400)")
+    add("--prompt-tokens", type=count(MIN_TOKENS), nargs="+", default=[400], metavar="TOKENS",
+        help="prompt lengths of passkey, fidelity and the RULER tasks; each runs once per length (default: 400)")
     add("--trials", type=count(1, 10_000), default=1,
-        help="passkey prompts per depth (5 depths); fidelity uses 2 prompts per trial (default: 1)")
+        help="passkey prompts per depth (5 depths); fidelity uses 2 prompts, a RULER task 5 samples per trial (default: 1)")
     add("--ppl-mode", choices=["token", "chunked"], default="token",
         help="token: one token per forward, as the StreamingLLM/H2O papers; chunked: 64 at a time, faster")
     add("--threads", type=THREADS, default=1,
@@ -76,8 +80,25 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 # --- inputs ------------------------------------------------------------------------------------------
 
 
-def _tasks(names: list[str]) -> list[Task]:
+SUITE_NAMES = ("ruler-small", "ruler")  # kvpolicy.tasks.ruler.SUITES (which imports transformers) holds their tasks
+
+
+def _suites() -> dict[str, list[str]]:
+    from ..tasks.ruler import SUITES
+
+    return SUITES
+
+
+def _task_names(args: argparse.Namespace) -> list[str]:
+    """--tasks, the --suite's tasks, or both; the default tasks when neither is given."""
+    if args.suite is None:
+        return args.tasks or DEFAULT_TASKS
+    return [*(args.tasks or []), *_suites()[args.suite]]
+
+
+def _tasks(names: list[str], lengths: list[int]) -> list[Task]:
     from ..tasks import available_tasks
+    from ..tasks.lengths import at_lengths
 
     tasks = available_tasks()
     for name in names:
@@ -87,7 +108,7 @@ def _tasks(names: list[str]) -> list[Task]:
             raise KVPolicyError(
                 f"unknown task {name!r}{did_you_mean(name, tasks)}. Available: {', '.join(tasks)}{failed}"
             )
-    return [tasks[name] for name in dict.fromkeys(names)]
+    return at_lengths([tasks[name] for name in dict.fromkeys(names)], lengths)
 
 
 def _budgets(texts: list[str]) -> list[tuple[str, Any]]:
@@ -170,7 +191,7 @@ def _model_label(args: argparse.Namespace) -> str:
 
 def _command(args: argparse.Namespace, out: Path) -> str:
     parts = ["kvpolicy", "compare", "--model", args.model, "--recipes", *args.recipes, "--budgets", *args.budgets,
-             "--tasks", *args.tasks, "--tokens", str(args.tokens), "--prompt-tokens", str(args.prompt_tokens),
+             "--tasks", *_task_names(args), "--tokens", str(args.tokens), "--prompt-tokens", *map(str, args.prompt_tokens),
              "--trials", str(args.trials), "--ppl-mode", args.ppl_mode, "--threads", str(args.threads),
              "--seed", str(args.seed), "--out", str(out)]
     if args.text_file:
@@ -187,7 +208,7 @@ def run_compare(args: argparse.Namespace) -> None:
     """The ``compare`` command: check the input, load the model once, run the missing rows, report."""
     for package in ("rich", "matplotlib"):  # the table and the plots: a missing one fails now, not after the sweep
         require(package)
-    tasks = _tasks(args.tasks)
+    tasks = _tasks(_task_names(args), args.prompt_tokens)
     budgets = _budgets(args.budgets)
     recipes = _recipes(args.recipes)
     text, text_source = read_text(args.text_file)
@@ -226,8 +247,8 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
 
     model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    ctx = Context(model, tokenizer, text_ids, tokens=args.tokens, prompt_tokens=args.prompt_tokens, seed=args.seed,
-                  trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model})
+    ctx = Context(model, tokenizer, text_ids, tokens=args.tokens, prompt_tokens=args.prompt_tokens[0], seed=args.seed,
+                  trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model}, text=text)
     needed = max(MIN_TOKENS, *(task.tokens_needed(ctx) for task in tasks))
     if text_ids.numel() < needed:
         raise KVPolicyError(
@@ -241,13 +262,16 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
            console: Any) -> list[dict[str, Any]]:
     """Run each task on its rows missing from results.jsonl (all with ``force``); return the sweep's results."""
     from ..hf.session import model_shape
+    from ..tasks.lengths import task_key
+    from ..tasks.progress import Progress
 
     shape = model_shape(ctx.model)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
     existing = load_results(path)
-    keys = {task.name: [_key(task.name, row, _fingerprint(meta["model"], meta["text_sha"], task, task.settings(ctx),
-                                                          row, shape)) for row in rows] for task in tasks}
+    keys = {task_key(task): [_key(task.name, row, _fingerprint(meta["model"], meta["text_sha"], task,
+                                                               task.settings(ctx), row, shape)) for row in rows]
+            for task in tasks}
     if force:
         drop = {key for task_keys in keys.values() for key in task_keys}
         existing = [row for row in existing if row["key"] not in drop]
@@ -256,29 +280,30 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
     if len(kept) != len(existing):
         write_jsonl(path, kept)
     done = {row["key"]: row for row in kept}
-    with _progress(console) as progress:
-        ctx.progress = progress
+    ctx.progress = Progress(console.file)
+    try:
         for task in sorted(tasks, key=lambda t: not getattr(t, "run_first", False)):  # stable: else as given
-            todo = [i for i, key in enumerate(keys[task.name]) if key not in done]
+            name = task_key(task)
+            todo = [i for i, key in enumerate(keys[name]) if key not in done]
             if not todo:
-                console.print(f"{task.name}: all {len(rows)} rows already in {path}, skipped")
+                console.print(f"{name}: all {len(rows)} rows already in {path}, skipped")
                 continue
             task_started = time.perf_counter()
             metrics = _run_task(task, ctx, [rows[i] for i in todo])
-            fresh = [_result(task, rows[i], keys[task.name][i], m, ctx, meta)
-                     for i, m in zip(todo, metrics, strict=True)]
+            fresh = [_result(task, rows[i], keys[name][i], m, ctx, meta) for i, m in zip(todo, metrics, strict=True)]
             done.update((row["key"], row) for row in fresh)
             kept += fresh
             write_jsonl(path, kept)
-            console.print(f"{task.name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
+            console.print(f"{name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
                           f"({len(rows) - len(todo)} already done)")
+    finally:
         ctx.progress = None
-    return [done[key] for task in tasks for key in keys[task.name]]
+    return [done[key] for task in tasks for key in keys[task_key(task)]]
 
 
 def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
     """``task.run``; a plugin's task that fails (or returns the wrong number of rows) is named in a KVPolicyError."""
-    module = getattr(type(task), "__module__", "") or ""
+    module = getattr(type(getattr(task, "task", task)), "__module__", "") or ""  # AtLength: the task it runs
     if module.startswith("kvpolicy."):
         return task.run(ctx, rows)
     try:
@@ -292,13 +317,6 @@ def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]
         raise KVPolicyError(f"task {task.name!r} (from {module}) returned {len(metrics)} results for {len(rows)} rows; "
                             "it must return one dict of metrics per row")
     return metrics
-
-
-def _progress(console: Any):
-    rich = require("rich.progress")
-    columns = (rich.TextColumn("{task.description}"), rich.BarColumn(), rich.MofNCompleteColumn(),
-               rich.TimeElapsedColumn(), rich.TextColumn("ETA"), rich.TimeRemainingColumn())
-    return rich.Progress(*columns, console=console, transient=True)
 
 
 def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Context, meta: dict[str, Any]) -> dict:

@@ -24,7 +24,7 @@ def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title
     """A rich Table: one line per recipe x budget, the tasks' columns side by side."""
     Table = require("rich.table").Table
 
-    found = {(r["task"], r["recipe"], r["budget"]): r for r in sweep}
+    found = {(r["task"], r.get("length"), r["recipe"], r["budget"]): r for r in sweep}
     out = Table(title=title)
     out.add_column("recipe")
     out.add_column("budget", justify="right")
@@ -34,7 +34,7 @@ def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title
     for row in rows:
         cells = [row.recipe, _budget_text(row)]
         for task in tasks:
-            result = found.get((task.name, row.recipe, row.budget), {})
+            result = found.get((task.name, getattr(task, "length", None), row.recipe, row.budget), {})
             cells += [fmt.format(result[m]) if result.get(m) is not None else "-" for m, _, fmt in task.columns]
         out.add_row(*cells, end_section=row.is_full)
     return out
@@ -43,10 +43,10 @@ def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title
 def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> list[Path]:
     """One PNG per figure named in the tasks' ``plots``: each metric vs budget, a line per recipe, full as a line."""
     plt = pyplot()
-    figures: dict[str, list[tuple[str, str, str]]] = {}
+    figures: dict[str, list[tuple[tuple[str, Any], str, str]]] = {}
     for task in tasks:
         for figure, metric, label in task.plots:
-            figures.setdefault(figure, []).append((task.name, metric, label))
+            figures.setdefault(figure, []).append(((task.name, getattr(task, "length", None)), metric, label))
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -58,13 +58,14 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
     x_of = {b: (float(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
     paths = []
     for figure, panels in figures.items():
-        cols = 2 if len(panels) == 4 else min(3, len(panels))
+        cols = 2 if len(panels) == 4 else min(4 if len(panels) > 9 else 3, len(panels))
         grid = -(-len(panels) // cols)
         fig, axes = plt.subplots(grid, cols, figsize=(4.4 * cols, 3.4 * grid + 0.5), squeeze=False)
         for ax in axes.flat[len(panels):]:
             ax.set_visible(False)
         for ax, (task, metric, label) in zip(axes.flat, panels, strict=False):
-            _panel(ax, [r for r in sweep if r["task"] == task and r.get(metric) is not None], metric, x_of)
+            _panel(ax, [r for r in sweep if (r["task"], r.get("length")) == task and r.get(metric) is not None],
+                   metric, x_of)
             ax.set_title(label, fontsize=10)
             ax.set_xlabel("budget, % of the prompt (ppl: of the text)" if ratios else "budget, tokens" if tokens else "budget")
             if not (ratios or tokens):
@@ -104,6 +105,6 @@ def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, 
     positive = [v for v in values if isinstance(v, (int, float)) and v > 0]
     if metric == "ppl" and positive and max(positive) / min(positive) > 5:
         ax.set_yscale("log")
-    elif metric.endswith(("_mib", "_bytes")) or metric in ("accuracy", "greedy_match", "top1", "kl"):
+    elif metric.endswith(("_mib", "_bytes")) or metric in ("accuracy", "greedy_match", "top1", "kl", "score"):
         ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

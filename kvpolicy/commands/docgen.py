@@ -291,7 +291,7 @@ def compare_options_block() -> str:
         flag = action.option_strings[-1] + ("" if action.nargs == 0 else f" {action.metavar or action.dest.upper()}")
         flag += " ..." if action.nargs == "+" else ""
         default = action.default
-        default = "-" if default is None or default is False else " ".join(default) if isinstance(default, list) else default
+        default = "-" if default is None or default is False else " ".join(map(str, default)) if isinstance(default, list) else default
         text = (action.help or "").replace("%%", "%")
         said = re.search(r"\s*\(default: ([^)]*)\)", text)  # the help's own "(default: ...)", said once
         if said and (said[1] == str(default) or default == "-"):
@@ -316,6 +316,16 @@ def tasks_block() -> str:
     return "\n".join(rows)
 
 
+def ruler_block() -> str:
+    """The RULER-style tasks: name, table header, what each measures, answer budget."""
+    from ..tasks.ruler import RULER_TASKS
+
+    rows = ["| task | table header | what it measures | answer budget (tokens) |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{name}` | `{task.columns[0][1]}` | {_cell(task.description)} | {task.generator.max_new_tokens} |"
+             for name, task in RULER_TASKS.items()]
+    return "\n".join(rows)
+
+
 def blocks(registry: Registry | None = None) -> dict[str, str]:
     """Every generated block, by name. Built-in policies only (installed plugins are left out)."""
     registry = registry or Registry(load_entry_points=False)
@@ -332,6 +342,7 @@ def blocks(registry: Registry | None = None) -> dict[str, str]:
         "hooks": hooks_block(),
         "compare-options": compare_options_block(),
         "compare-tasks": tasks_block(),
+        "ruler-tasks": ruler_block(),
     }
     for name in registry.names():
         out[f"policy:{name}"] = policy_block(registry.get(name))

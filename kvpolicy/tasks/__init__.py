@@ -14,9 +14,11 @@ from .fidelity import Fidelity
 from .memory import Memory
 from .passkey import Passkey
 from .ppl import Perplexity
+from .ruler import RULER_TASKS, SUITES
 from .speed import Speed
 
-TASKS: dict[str, Task] = {task.name: task for task in (Perplexity(), Memory(), Speed(), Passkey(), Fidelity())}
+TASKS: dict[str, Task] = {task.name: task for task in (Perplexity(), Memory(), Speed(), Passkey(), Fidelity(),
+                                                      *RULER_TASKS.values())}
 
 
 def register_task(task: Task) -> None:
@@ -50,4 +52,4 @@ def available_tasks(registry: Any = None) -> dict[str, Task]:
     return dict(TASKS)
 
 
-__all__ = ["TASKS", "Context", "Row", "Task", "available_tasks", "register_task"]
+__all__ = ["SUITES", "TASKS", "Context", "Row", "Task", "available_tasks", "register_task"]

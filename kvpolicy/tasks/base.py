@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,20 +55,20 @@ class Context:
     ppl_mode: str = "token"
     options: dict[str, Any] = field(default_factory=dict)  # extra settings for plugin tasks
     memo: dict[Any, Any] = field(default_factory=dict)  # results tasks share within one sweep (see `run_alone`)
-    progress: Any = None  # a rich.progress.Progress, or None for silence
+    progress: Any = None  # a kvpolicy.tasks.progress.Progress, or None for silence
+    text: str = ""  # the evaluation text itself (the haystack of the RULER-style tasks)
 
-    def track(self, iterable: Iterable, total: int | None = None, description: str = "") -> Iterator:
-        """Iterate with a progress bar (with ETA) when the sweep shows progress."""
+    def track(self, iterable: Iterable, total: int | None = None, description: str = "", *, rows: int = 1,
+              unit: str = "steps", tokens: int | Callable[[Any], int] = 0) -> Iterator:
+        """Iterate, reporting progress when the sweep shows it: steps done, ``rows`` in the batch, tokens/s
+        (``tokens``: per step, or a function of the item) and the time left."""
         if self.progress is None:
             yield from iterable
             return
-        task = self.progress.add_task(description, total=total if total is not None else len(iterable))
-        try:
+        with self.progress.task(description, total if total is not None else len(iterable), rows, unit) as task:
             for item in iterable:
                 yield item
-                self.progress.advance(task)
-        finally:
-            self.progress.remove_task(task)
+                task.advance(1, tokens(item) if callable(tokens) else tokens)
 
 
 @runtime_checkable
@@ -188,3 +188,36 @@ def memory_of(cache: Any) -> dict[str, int]:
         if isinstance(t, torch.Tensor)
     )
     return {"live": size, "allocated": size, "metadata": 0}
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The token ids that end an answer: the tokenizer's end of sequence and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return {i for i in ids if isinstance(i, int)}
+
+
+def greedy_continuations(ctx: Context, rows: list[Row], input_ids: list[int], max_new_tokens: int) -> list[str]:
+    """Each row's greedy continuation of the same prompt (one batch), decoded; a row stops at an end-of-sequence
+    token, and decoding stops when every row has."""
+    model, batch = ctx.model, len(rows)
+    stop = torch.tensor(sorted(eos_ids(model, ctx.tokenizer)) or [-1])
+    session = batched_session(model, rows, tokenizer=ctx.tokenizer)
+    generated: list[torch.Tensor] = []
+    try:
+        cache = session.new_cache()
+        ids = torch.tensor([input_ids]).expand(batch, -1)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        with torch.inference_mode():
+            for _ in range(max_new_tokens):
+                ids = forward(model, ids, cache).logits[:, -1].argmax(dim=-1, keepdim=True)
+                generated.append(torch.where(finished[:, None], -1, ids))
+                finished |= torch.isin(ids[:, 0], stop)
+                if bool(finished.all()):
+                    break
+    finally:
+        session.detach()
+    tokens = torch.cat(generated, dim=1) if generated else torch.zeros(batch, 0, dtype=torch.long)
+    return [ctx.tokenizer.decode([t for t in tokens[row].tolist() if t >= 0], skip_special_tokens=True)
+            for row in range(batch)]

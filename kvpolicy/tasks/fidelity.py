@@ -26,6 +26,7 @@ PROMPTS_PER_TRIAL = 2
 
 
 class Fidelity:
+    uses_prompt_tokens = True
     name = "fidelity"
     description = "agreement with the full cache: greedy tokens and KL(full || policy)"
     columns = [("greedy_match", "greedy=", "{:.0%}"), ("top1", "top-1=", "{:.0%}"), ("kl", "KL", "{:.3f}")]
@@ -47,7 +48,8 @@ class Fidelity:
         full = Row("full", None, "full")
         sums = torch.zeros(4, len(policy_rows), dtype=torch.float64)  # greedy_match, agree_prefix, kl, top1
         prompts = text_segments(ctx, ctx.prompt_tokens, PROMPTS_PER_TRIAL * ctx.trials)
-        for prompt in ctx.track(prompts, len(prompts), f"fidelity ({len(policy_rows)} rows)"):
+        for prompt in ctx.track(prompts, len(prompts), "fidelity", rows=len(policy_rows), unit="prompts",
+                                tokens=lambda p: p.numel() * (2 * len(policy_rows) + 1)):
             if policy_rows:
                 sums += compare_to_full(ctx, full, policy_rows, prompt, CONTINUATION)
         means = sums / max(1, len(prompts))

@@ -42,7 +42,8 @@ class Memory:
     def run(self, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
         prompt = ctx.text_ids[: ctx.tokens]
         results = []
-        for row in ctx.track(rows, len(rows), "memory (one row at a time)"):
+        for row in ctx.track(rows, len(rows), "memory (one row at a time)", unit="rows",
+                             tokens=ctx.tokens + ALONE_DECODE_STEPS):
             run = ctx.memo.get(alone_key(row, prompt)) or run_alone(ctx.model, row.spec, prompt, tokenizer=ctx.tokenizer)
             prefill, end = run["prefill_memory"], run["end_memory"]
             results.append({

@@ -67,6 +67,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 
 class Passkey:
+    uses_prompt_tokens = True
     name = "passkey"
     description = "retrieve a 5-digit key hidden at several depths of filler text"
     columns = [("accuracy", "passkey", "{:.0%}")]
@@ -89,7 +90,8 @@ class Passkey:
         prompts = self.prompts(ctx)
         hits = torch.zeros(len(rows), len(prompts), dtype=torch.bool)
         answers: list[list[str]] = [[] for _ in rows]
-        for index, prompt in enumerate(ctx.track(prompts, len(prompts), f"passkey ({len(rows)} rows)")):
+        for index, prompt in enumerate(ctx.track(prompts, len(prompts), "passkey", rows=len(rows),
+                                                          unit="prompts", tokens=lambda p: len(p.input_ids) * len(rows))):
             for row, answer in enumerate(greedy_answers(ctx, rows, prompt.input_ids, NEW_TOKENS)):
                 hits[row, index] = prompt.key in answer
                 answers[row].append(answer)

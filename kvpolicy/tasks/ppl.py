@@ -63,7 +63,8 @@ def streaming_nll(ctx: Context, rows: list[Row], ids: torch.Tensor, step: int) -
         total = torch.zeros(batch, dtype=torch.float64)
         starts = range(0, count - 1, step)
         with torch.inference_mode():
-            for start in ctx.track(starts, len(starts), f"ppl ({batch} rows, {count} tokens)"):
+            for start in ctx.track(starts, len(starts), f"ppl ({count} tokens)", rows=batch,
+                                   unit="tokens" if step == 1 else "chunks", tokens=step * batch):
                 chunk = ids[start : min(start + step, count - 1)]
                 targets = ids[start + 1 : start + 1 + chunk.numel()]
                 logits = forward(model, chunk.expand(batch, -1), cache).logits.float()

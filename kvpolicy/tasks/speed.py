@@ -46,7 +46,8 @@ class Speed:
         decode: list[list[float]] = [[] for _ in configs]
         run_alone(ctx.model, None, prompt[:32], 2)  # warm-up: first calls pay for allocations
         schedule = [(rep, (rep + i) % len(configs)) for rep in range(REPEATS) for i in range(len(configs))]
-        for _, index in ctx.track(schedule, len(schedule), f"speed ({len(configs)} configurations x {REPEATS})"):
+        for _, index in ctx.track(schedule, len(schedule), f"speed ({len(configs)} configurations x {REPEATS})",
+                                 unit="runs", tokens=prompt.numel() + DECODE_STEPS):
             config = configs[index]
             run = run_alone(ctx.model, config.spec if config is not None else None, prompt, DECODE_STEPS,
                             tokenizer=ctx.tokenizer)
