@@ -186,14 +186,18 @@ class PolicyLayer(StaticDecode):
             for group in self.profiling:
                 call_policy(group.policy, "profile", group.policy.profile, self.group_state(group), stats, view)
             self.profiled = True
+        self.observe(stats)
+        self.pending = None
+        self.store.end_pass()
+        self._evict()
+
+    def observe(self, stats: AttentionStats | None) -> None:
+        """Each policy that reads statistics observes this call's."""
         if stats is not None:
             for group in self.groups:
                 if group.policy.needs:
                     call_policy(group.policy, "observe", group.policy.observe, self.group_state(group),
                                 stats_for(group.policy, stats))
-        self.pending = None
-        self.store.end_pass()
-        self._evict()
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
         """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""

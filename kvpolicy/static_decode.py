@@ -24,7 +24,6 @@ import torch
 
 from .backend.call import AttentionCall
 from .policies.base import AttentionStats
-from .policy_calls import call_policy, stats_for
 from .storage.dense import DenseStore
 
 
@@ -83,11 +82,7 @@ class StaticDecode:
 
     def static_end_call(self, stats: AttentionStats | None) -> None:
         """The policies observe the step, then each cell's lowest-scoring slot takes slot L's token."""
-        if stats is not None:
-            for group in self.groups:
-                if group.policy.needs:
-                    call_policy(group.policy, "observe", group.policy.observe, self.group_state(group),
-                                stats_for(group.policy, stats))
+        self.observe(stats)
         self.pending = None
         scores = self._scores(defer_nan_check=True)
         self.store.drop_one(scores.argmin(dim=2))
