@@ -26,7 +26,7 @@ from .errors import KVPolicyError
 from .memory_report import layer_memory
 from .plan import LayerPlan
 from .policies.base import AttentionStats, TokenView
-from .policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, stats_for
+from .policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, observe_all
 from .rotary import in_cache_deltas, rotate
 from .static_decode import StaticDecode
 from .storage.base import KVStore, storage_bytes
@@ -193,11 +193,7 @@ class PolicyLayer(StaticDecode):
 
     def observe(self, stats: AttentionStats | None) -> None:
         """Each policy that reads statistics observes this call's."""
-        if stats is not None:
-            for group in self.groups:
-                if group.policy.needs:
-                    call_policy(group.policy, "observe", group.policy.observe, self.group_state(group),
-                                stats_for(group.policy, stats))
+        observe_all(self.groups, self.group_state, stats)
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
         """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""

@@ -68,6 +68,16 @@ def combined_scores(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup],
     return scores.masked_fill(~view.valid, -torch.inf)
 
 
+def observe_all(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup], dict[str, torch.Tensor]],
+                stats: AttentionStats | None) -> None:
+    """Each group whose policy reads statistics observes ``stats`` (cut to what it asked for)."""
+    if stats is None:
+        return
+    for group in groups:
+        if group.policy.needs:
+            call_policy(group.policy, "observe", group.policy.observe, state_of(group), stats_for(group.policy, stats))
+
+
 class NaNCheck:
     """Raises when a policy's scores hold NaN (a plugin bug that would otherwise evict arbitrary tokens).
 

@@ -28,6 +28,7 @@ from ...errors import KVPolicyError
 from .engine import engine_from_config, process_engine
 from .paged import PagedLayerCache, PagedPolicies, RowBlocks
 from .schedule import RequestSchedule
+from .settings import PagedLayer
 from .spec import KVPolicySpec
 
 logger = init_logger("vllm.kvpolicy")
@@ -110,6 +111,10 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
             decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False)
             requests.append((row, start, end, schedule, before, decision))
         positions = torch.cat([torch.arange(start, end) for _, start, end, *_ in requests])
+        # decode steps together (one query each); each prompt chunk alone, unpadded (long, of any length)
+        decoding = [r for r in requests if r[2] - r[1] == 1]
+        groups = ([decoding] if decoding else []) + [[r] for r in requests if r[2] - r[1] > 1]
+        queries = [self._queries(group, starts) for group in groups]
         rules = []
         for rule in range(len(plan.rules)):
             evicting = [r for r in requests if r[5][rule]]
@@ -121,12 +126,10 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
                 arena = torch.tensor([r[3].arena(rule) for r in evicting], dtype=torch.long)
                 evict = (rows, budget, seen, arena)
             attend = []
-            # decode steps together (one query each); each prompt chunk alone, unpadded (long, of any length)
-            decoding = [r for r in requests if r[2] - r[1] == 1]
-            for group in ([decoding] if decoding else []) + [[r] for r in requests if r[2] - r[1] > 1]:
+            for group, (query_index, query_positions) in zip(groups, queries, strict=True):
                 rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group],
                                     block_size)
-                attend.append((rows, *self._queries(group, starts)))
+                attend.append((rows, query_index, query_positions))
             rules.append(RuleStep(evict, attend))
         return StepPlan(rules, positions)
 
@@ -161,7 +164,8 @@ class KVPolicyImpl(CPUAttentionBackendImpl):
 
         self.engine = engine_from_config(get_current_vllm_config())
         self.caches: dict[str, PagedLayerCache] = {}
-        self.policies: dict[str, PagedPolicies] = {}
+        # per attention module: its decoder layer's plan and policies (looked up by name once, not every step)
+        self.layers: dict[str, tuple[PagedLayer, PagedPolicies]] = {}
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.engine.active:
@@ -177,11 +181,11 @@ class KVPolicyImpl(CPUAttentionBackendImpl):
         if step is None:  # warm-up and profiling runs: no request, nothing kept
             return output
         name = layer.layer_name
-        paged_layer = self.engine.layer(name)
+        if name not in self.layers:
+            paged_layer = self.engine.layer(name)
+            self.layers[name] = paged_layer, PagedPolicies(paged_layer.groups)
+        paged_layer, policies = self.layers[name]
         cache = self._cache(name, kv_cache, paged_layer.groups)
-        policies = self.policies.get(name)
-        if policies is None:
-            policies = self.policies[name] = PagedPolicies(paged_layer.groups)
         todo = step.rules[paged_layer.rule]
         if todo.evict is not None:
             rows, budget, seen, arena = todo.evict

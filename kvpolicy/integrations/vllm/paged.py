@@ -17,7 +17,7 @@ import torch
 from ...backend.call import AttentionCall
 from ...backend.dispatch import attend
 from ...policies.base import TokenView
-from ...policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, stats_for
+from ...policy_calls import NaNCheck, PolicyGroup, combined_scores, observe_all
 from ...storage.base import top_kept
 
 
@@ -219,10 +219,7 @@ class PagedPolicies:
         result = attend(grouped_query, call)
         if result.stats is not None and self.needs:
             state = self._gather_state(cache, rows)
-            for group in self.groups:
-                if group.policy.needs:
-                    call_policy(group.policy, "observe", group.policy.observe, self._state_of(group, state),
-                                stats_for(group.policy, result.stats))
+            observe_all(self.groups, lambda group: self._state_of(group, state), result.stats)
             for name, tensor in cache.state.items():
                 rows.scatter(tensor, state[name])
         return result.output

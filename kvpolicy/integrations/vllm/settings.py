@@ -72,14 +72,6 @@ class PagedLayer:
     groups: list[PolicyGroup]
     rule: int  # index into PagedPlan.rules
 
-    @property
-    def needs(self) -> frozenset[str]:
-        return frozenset().union(*(g.policy.needs for g in self.groups))
-
-    @property
-    def last_rows_window(self) -> int:
-        return max([g.policy.last_rows_window for g in self.groups if "last_rows" in g.policy.needs] or [0])
-
 
 @dataclass
 class PagedPlan:

@@ -64,7 +64,3 @@ class KVPolicyManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
         super().free(request_id)
-
-    def held_blocks(self) -> dict[str, int]:
-        """Blocks each live request holds now (null blocks excluded)."""
-        return {rid: sum(1 for b in blocks if not b.is_null) for rid, blocks in self.req_to_blocks.items()}
