@@ -2,5 +2,6 @@
 
 `base.KVStore` is the interface the layer uses (append, the K/V attention reads, evict to a
 keep-set, bytes); `dense.DenseStore` and `ragged.RaggedStore` implement it. A new format
-(e.g. tokens kept at lower precision) is a new module implementing `KVStore`.
+(e.g. tokens kept at lower precision) is a new module implementing `KVStore`; `quant` holds the
+quantization primitives such a format builds on.
 """

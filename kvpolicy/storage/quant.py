@@ -16,7 +16,8 @@ they must be: keys have a few outlier *channels* (the same channels are large in
 Scales and zero points are float16 (2 bytes each, counted by `bytes_per_token` and `key_range_bytes`), and
 codes are always computed from the float16 values actually stored: the zero is rounded down to float16 and
 the scale up, so that the grid still covers every value, and each element's error stays within ``scale / 2``
-of the stored scale (plus float32 arithmetic). Inputs are expected within float16's range, as K/V are.
+of the stored scale (plus float32 arithmetic). Inputs are expected finite and within float16's range, as
+K/V are (neither is checked: that would cost a device sync).
 
 Codes are packed ``8 // bits`` to a byte along the last dimension, the first code in the lowest bits
 (`pack`, `unpack`). Everything is vectorized over any leading dimensions (batch rows, KV heads, layers);
@@ -273,7 +274,7 @@ class ChannelRange:
         ``codes``: the cells' packed keys so far, uint8 [..., S, D * bits / 8], encoded on this range; they
         are re-encoded in place (and returned) in the channels that widened, and only there: every other
         byte stays as it was. Cells with no range yet are fitted to ``keys`` exactly and their codes (no
-        token's yet) left alone. Reads back whether any cell widened (one device sync).
+        token's yet) left alone. Reads back which cells widened (a device sync).
         """
         self._check(keys, "keys")
         x = keys.float()
@@ -322,10 +323,10 @@ class ChannelRange:
         """Packed codes uint8 [..., T, D * bits / 8] of ``keys`` [..., T, D] on this range.
 
         Keys outside the range are clipped to it: `widen` first with the same keys. A cell with no range
-        yet encodes to code 0 (it decodes to 0).
+        yet encodes (finite) keys to code 0, which decodes to 0.
         """
         self._check(keys, "keys")
-        scale = torch.where(self.scale > 0, self.scale, torch.ones_like(self.scale))
+        scale = torch.where(self.scale > 0, self.scale, torch.full_like(self.scale, torch.inf))
         return pack(_encode(keys, scale, self.zero, self.bits), self.bits)
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
