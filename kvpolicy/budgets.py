@@ -8,15 +8,17 @@ row's budget among their heads once, at the row's first eviction; ``dynamic_budg
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
 
 from .errors import KVPolicyError
-from .plan import LayerPlan
+from .plan import Budget, LayerPlan, Tier
 from .policies.base import TokenView
 from .policy_calls import PolicyGroup, call_policy, checked
 from .storage.base import headroom
+from .storage.tier_formats import TierCosts
 
 StateOf = Callable[[PolicyGroup], dict[str, torch.Tensor]]
 
@@ -33,6 +35,8 @@ class CellBudgets:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
         self.slack = max((h.budget.slack for row in row_plans for h in row.heads), default=0)
+        self.tiers = layer_tiers(row_plans)
+        self.tier_costs: TierCosts | None = None  # set by the layer once its tiered store knows its shapes
         self.reset()
 
     def reset(self) -> None:
@@ -40,6 +44,18 @@ class CellBudgets:
         self.uniform_limit: int | None = None  # one limit for every cell, once known (the dense decode fast path)
         self.allocated: torch.Tensor | None = None  # [B, Hkv] bool: cells whose limits an allocating policy fixed
         self._allocation_done = False
+        self.tier_sizes: torch.Tensor | None = None  # [T, B, Hkv] tokens per precision tier (tiered layers)
+
+    @property
+    def last_unbounded(self) -> bool:
+        """The last precision tier keeps every token the others do not (a tiered cache that evicts nothing)."""
+        return bool(self.tiers) and not self.any_limited
+
+    @property
+    def view_limits(self) -> torch.Tensor | None:
+        """The budget policies see (``TokenView.budget``): the 16-bit tier's size on a tiered layer, so that what a
+        policy pins (sinks, H2O's recent window) stays at full precision; else the limits."""
+        return self.tier_sizes[0] if self.tier_sizes is not None else self.limits
 
     @property
     def budgets_grow(self) -> bool:
@@ -64,10 +80,24 @@ class CellBudgets:
             for b in range(batch)
         ]
         self.limits = torch.tensor(limits, dtype=torch.long, device=device)
+        if self.tiers:
+            self._resolve_tiers(prompt)
+            return
         if self.allocating:
             self.allocated = torch.zeros_like(self.limits, dtype=torch.bool)
         elif not self.dynamic:  # budgets that change at every eviction have no one limit
             self._note_uniform()
+
+    def _resolve_tiers(self, prompt: torch.Tensor) -> None:
+        """Tokens per precision tier of every cell, from its budget (tokens, or bytes under a memory budget)."""
+        if self.tier_costs is None:
+            raise KVPolicyError("a tiered layer's budgets were resolved before its store gave the tiers' costs")
+        rows = self.row_plans
+        sizes = [[tier_sizes(h.budget, int(prompt[b]), self.tier_costs, self.slack)
+                  for h in rows[b if len(rows) > 1 else 0].heads] for b in range(prompt.shape[0])]
+        self.tier_sizes = torch.tensor(sizes, dtype=torch.long, device=prompt.device).permute(2, 0, 1).contiguous()
+        total = self.tier_sizes.sum(dim=0)
+        self.limits = torch.where(self.limited_cells.to(prompt.device), total, self.limits)
 
     def _note_uniform(self) -> None:
         if bool(self.limited_cells.all()) and int(self.limits.min()) == int(self.limits.max()):
@@ -130,3 +160,56 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             grown = torch.where(self.dynamic_cells.to(needed.device), needed + headroom(needed, True), grown)
         return grown
+
+
+#: Tokens a tier may hold when nothing bounds it (a tiered cache that evicts nothing).
+UNBOUNDED_TOKENS = torch.iinfo(torch.int64).max // 4
+
+
+def layer_tiers(row_plans: list[LayerPlan]) -> tuple[Tier, ...]:
+    """The precision tiers of a layer: the same bits and groups in every cell (sizes may differ), or none."""
+    kinds = {tuple((t.bits, t.group, t.keys) for t in h.budget.precision_tiers) for row in row_plans for h in row.heads}
+    if len(kinds) > 1:
+        raise KVPolicyError(
+            f"the KV heads of one layer keep different precision tiers ({' vs '.join(sorted(map(str, kinds)))}); a layer "
+            "stores its tiers once for all its heads: give per-head rules the same tiers (bits, group, keys), sizes may differ"
+        )
+    tiers = next(h.budget.precision_tiers for row in row_plans for h in row.heads)
+    return tiers
+
+
+def tier_sizes(budget: Budget, prompt: int, costs: TierCosts, slack: int) -> list[int]:
+    """Tokens each tier of one cell keeps under ``budget`` for a ``prompt``-token prompt.
+
+    Token budgets: a tier's ``share`` of the tokens, or its ``tokens``; the last tier the rest.
+    Memory budgets: the cell's bytes are ``memory`` x prompt x a 16-bit token's K/V; a tier's
+    share of them buys tokens at that tier's cost, and the 16-bit tier also pays for the tokens
+    that wait in it between evictions (``slack`` and the next one), so that the bytes held after
+    every pass stay within the budget.
+    """
+    tiers = budget.precision_tiers
+    if not budget.is_limited:
+        return [t.tokens if t.tokens is not None else UNBOUNDED_TOKENS for t in tiers]
+    if budget.memory is None:
+        total = int(budget.resolve(torch.tensor([prompt]))[0])
+        sizes = [t.tokens if t.tokens is not None else int(t.share * total) if t.share is not None else 0 for t in tiers]
+        sizes[-1] = max(total - sum(sizes[:-1]), 0)
+        return sizes
+    money = math.floor(budget.memory * prompt * costs.reference_token) - costs.cell
+    waiting = slack + 1  # tokens that wait in the 16-bit tier between evictions
+    sizes = [t.tokens if t.tokens is not None else int(t.share * money) // c if t.share is not None else 0
+             for t, c in zip(tiers, costs.token, strict=True)]
+    if tiers[0].tokens is None:
+        sizes[0] -= waiting  # a share (or the whole budget) of 16-bit bytes pays for the waiting tokens too
+    upper = sum(n * c for n, c in zip(sizes[:-1], costs.token, strict=False)) + waiting * costs.token[0]
+    if len(tiers) == 1:
+        sizes[0] = money // costs.token[0] - waiting
+    else:
+        sizes[-1] = (money - upper) // costs.token[-1]
+    if sizes[0] < 1 or min(sizes) < 0:
+        raise KVPolicyError(
+            f"budget {budget.describe()}: for a {prompt}-token prompt each KV head gets {max(money, 0):,} bytes, too few "
+            f"for the tiers ({', '.join(f'{t.bits}-bit: {c} bytes a token' for t, c in zip(tiers, costs.token, strict=True))}"
+            f", {costs.cell} bytes a head, {waiting} tokens waiting at 16 bits): raise memory, or lower the tiers' shares"
+        )
+    return sizes

@@ -32,6 +32,7 @@ from .static_decode import StaticDecode
 from .storage.base import KVStore, storage_bytes
 from .storage.dense import DenseStore
 from .storage.ragged import RaggedStore, ragged_pays
+from .storage.tiered import TieredStore
 
 
 @dataclass
@@ -67,6 +68,13 @@ class PolicyLayer(StaticDecode):
             raise KVPolicyError("in-cache positions need the model's RoPE inverse frequencies (inv_freq)")
         self.inv_freq = inv_freq
         self.budgets = CellBudgets(row_plans, groups, prompt_tokens)
+        if self.budgets.tiers:
+            refused = [(p.name, why) for p in policies for flag, why in (
+                (p.allocates, "splits budgets among its heads"), (p.dynamic_budget, "sets its own budgets"),
+                (p.in_cache_positions, "re-rotates keys to in-cache positions")) if flag]
+            if refused:
+                raise KVPolicyError(f"layer {layer_idx}: policy {refused[0][0]!r} {refused[0][1]}, which precision tiers "
+                                    "do not support yet: drop the budget's tiers/memory for it, or use h2o, tova, snapkv")
         self.evictions = 0
         self._nan_check = NaNCheck()
         self.reset()
@@ -118,11 +126,16 @@ class PolicyLayer(StaticDecode):
         token_state = {f"{g.prefix}{name}": dtype for g in self.groups for name, dtype in g.policy.state.items()}
         if self.token_id_policies:
             token_state["token_ids"] = torch.int32
-        self.store = DenseStore(keys, values, token_state, self.budgets)
         self.cell_state = {
             f"{g.prefix}{name}": torch.zeros((batch, heads), dtype=dtype, device=device)
             for g in self.groups for name, dtype in g.policy.cell_state.items()
         }
+        tiers = self.budgets.tiers
+        if tiers:
+            self.store = TieredStore(keys, values, token_state, self.budgets, self.layer_idx, tiers)
+            self.budgets.tier_costs = self.store.costs(self.cell_state)
+        else:
+            self.store = DenseStore(keys, values, token_state, self.budgets)
         self.tokens_seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
 
     def _append_token_ids(self, start: int, count: int) -> None:
@@ -206,7 +219,7 @@ class PolicyLayer(StaticDecode):
         ids, used = self.store.slots.token_state.get("token_ids"), self.used
         return TokenView(
             positions=self.positions[:, :, :used], valid=self.valid[:, :, :used], seen=self.tokens_seen,
-            budget=self.budgets.limits, token_ids=ids[:, :, :used] if ids is not None else None,
+            budget=self.budgets.view_limits, token_ids=ids[:, :, :used] if ids is not None else None,
         )
 
     # --- eviction ---------------------------------------------------------------------------------------
@@ -236,7 +249,7 @@ class PolicyLayer(StaticDecode):
         if budgets.allocation_pending():
             budgets.allocate(self.group_state, self.token_view(), count)
         limit = budgets.effective(count)
-        if not self.pass_has_pads and int((count - limit).max()) <= budgets.slack:
+        if not self.pass_has_pads and int((count - limit).max()) <= budgets.slack and not store.wants_scores():
             store.evict(None, count, count)  # nothing to drop; a format may still settle this pass's tokens
             return
         scores = self._scores()

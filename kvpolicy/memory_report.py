@@ -3,7 +3,9 @@
 ``live`` counts the tokens kept; ``allocated`` is the K/V storage really held (dense layers:
 every (row, KV head) sized like the largest, plus the slots kept free for the next token;
 ragged layers: each cell's own segment). ``policy state`` is the per-slot metadata
-(positions, validity, the policies' per-token state, ragged segment tables). Attention on a
+(positions, validity, the policies' per-token state, ragged segment tables). Tiered layers
+(precision tiers) also give their K/V bytes per tier (``tier_bytes``: codes, scales, ranges),
+and count each kept token at its tier's cost in ``live``. Attention on a
 ragged layer reads a transient dense copy of that one layer: ``workspace`` is the largest
 such copy, memory in use only during that layer's attention call, not cache.
 
@@ -37,6 +39,14 @@ class MemoryReport:
     def metadata_bytes(self) -> int:
         return sum(layer["metadata_bytes"] for layer in self.layers)
 
+    def tier_bytes(self) -> dict[str, int]:
+        """K/V bytes (codes, scales, ranges) per precision tier, over every tiered layer."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            for name, size in layer.get("tier_bytes", {}).items():
+                out[name] = out.get(name, 0) + size
+        return out
+
     @property
     def workspace_kv_bytes(self) -> int:
         """The largest transient dense copy of a ragged layer (one layer at a time, so the max, not the sum)."""
@@ -58,7 +68,7 @@ class MemoryReport:
                  + ("  heads by label (live / allocated)" if labelled else "")]
         for index, layer in enumerate(self.layers):
             span = f"{layer['tokens_min']}" if layer["tokens_min"] == layer["tokens_max"] else f"{layer['tokens_min']}-{layer['tokens_max']}"
-            layout = "ragged" if layer.get("ragged") else "dense"
+            layout = "tiered" if layer.get("tier_bytes") else "ragged" if layer.get("ragged") else "dense"
             labels = "  " + ", ".join(
                 f"{label} x{n['cells']} ({human_bytes(n['live_kv_bytes'])} / {human_bytes(n['allocated_kv_bytes'])})"
                 for label, n in sorted(layer.get("by_label", {}).items())
@@ -77,6 +87,12 @@ class MemoryReport:
                     f"  {label}: {n['cells']} heads, {n['tokens']} tokens, {human_bytes(n['live_kv_bytes'])} live, "
                     f"{human_bytes(n['allocated_kv_bytes'])} allocated"
                 )
+        tiers = self.tier_bytes()
+        if tiers:
+            lines.append("precision tiers (allocated K/V): " + ", ".join(f"{name} {human_bytes(size)}"
+                                                                      for name, size in tiers.items())
+                         + "; attention reads a transient copy of one layer at the compute dtype (workspace, not "
+                         f"cache): at most {human_bytes(self.workspace_kv_bytes)}")
         if any(layer.get("ragged") for layer in self.layers):
             lines.append(
                 f"ragged layers hold each (row, KV head)'s tokens in a segment of its own size; attention reads "
@@ -104,8 +120,10 @@ def layer_memory(layer: Any) -> dict[str, Any]:
     per_token = store.bytes_per_token()
     metadata = [*store.slots.tensors(), *layer.cell_state.values(), *store.bookkeeping()]
     allocated = store.kv_bytes()
+    tiers = store.tier_bytes() if hasattr(store, "tier_bytes") else {}
     return {
-        "live_kv_bytes": int(tokens.sum()) * per_token,
+        "live_kv_bytes": store.live_kv_bytes() if tiers else int(tokens.sum()) * per_token,
+        "tier_bytes": tiers,
         "allocated_kv_bytes": allocated,
         "metadata_bytes": sum(t.untyped_storage().nbytes() for t in metadata),
         "tokens_min": int(tokens.min()),

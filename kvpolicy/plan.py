@@ -14,10 +14,42 @@ BACKEND_NAMES = ("auto", "torch", "triton")
 MAX_TOKENS = 2**31 - 1
 
 
+#: Bit widths a precision tier may store: 16-bit floats, or integer codes of 8, 4 or 2 bits.
+TIER_BITS = (16, 8, 4, 2)
+#: How a quantized tier scales its keys: per channel (one range per cell) or per token (like values).
+KEY_AXES = ("channel", "token")
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One precision tier of a budget: the tokens a policy ranks next are kept at ``bits`` bits.
+
+    A tier takes ``share`` of the budget (of its bytes under a ``memory`` budget, of its tokens
+    otherwise) or a fixed number of ``tokens``; the last tier takes what is left. ``group``:
+    channels that share one scale and zero point in a quantized tier's values (and keys quantized
+    per token). ``keys``: "channel" (one range per channel and (row, KV head), KIVI's and KVQuant's
+    axis) or "token" (scales per token and group, like values).
+    """
+
+    bits: int
+    share: float | None = None
+    tokens: int | None = None
+    group: int = 32
+    keys: str = "channel"
+
+    def describe(self) -> str:
+        size = f" {self.share:g}" if self.share is not None else f" {self.tokens} tokens" if self.tokens else " rest"
+        return f"{self.bits}-bit{size}" + (" (keys per token)" if self.bits < 16 and self.keys == "token" else "")
+
+
 @dataclass(frozen=True)
 class Budget:
-    """How many tokens a (layer, KV head) keeps: ``tokens`` absolute, or ``ratio`` of the prompt.
+    """How many tokens a (layer, KV head) keeps: ``tokens`` absolute, ``ratio`` of the prompt, or ``memory``.
 
+    ``memory``: a share of the bytes a 16-bit cache of the prompt would take (per (layer, KV
+    head); keys, values and every per-token byte the cache keeps are counted), spent over
+    ``tiers`` (one 16-bit tier when none are given). ``tiers``: precision tiers, best first
+    (`Tier`); empty for a cache kept at the model's dtype.
     ``slack`` tokens may accumulate over the budget before a compaction (amortized
     eviction): fewer compactions, at the cost of up to ``slack`` extra tokens of memory.
     ``by_policy``: the policy sets the budget itself at every eviction (``dynamic_budget``
@@ -28,6 +60,18 @@ class Budget:
     ratio: float | None = None
     slack: int = 0
     by_policy: bool = False
+    memory: float | None = None
+    tiers: tuple[Tier, ...] = ()
+
+    @property
+    def tiered(self) -> bool:
+        """Kept at chosen precisions (a tiered store) rather than at the model's dtype."""
+        return bool(self.tiers) or self.memory is not None
+
+    @property
+    def precision_tiers(self) -> tuple[Tier, ...]:
+        """The tiers this budget spends its amount on (a memory budget without tiers: one 16-bit tier)."""
+        return self.tiers or ((Tier(16),) if self.memory is not None else ())
 
     def resolve(self, prompt_tokens: torch.Tensor) -> torch.Tensor:
         """Budget per batch row ([B] int64) for rows whose prompts hold ``prompt_tokens`` real tokens."""
@@ -42,16 +86,19 @@ class Budget:
             text = f"{self.tokens} tokens"
         elif self.ratio is not None:
             text = f"{self.ratio:.3g} of prompt"
+        elif self.memory is not None:
+            text = f"{self.memory:.3g} of the prompt's 16-bit bytes"
         elif self.by_policy:
             text = "set by the policy"
         else:
             text = "unbounded"
-        return text + (f" (+{self.slack} slack)" if self.slack else "")
+        text += f" (+{self.slack} slack)" if self.slack else ""
+        return text + (f" in tiers {' + '.join(t.describe() for t in self.tiers)}" if self.tiers else "")
 
     @property
     def is_limited(self) -> bool:
-        """True if the budget gives an amount (``tokens`` or ``ratio``); False for UNBOUNDED and BY_POLICY."""
-        return self.tokens is not None or self.ratio is not None
+        """True if the budget gives an amount (``tokens``, ``ratio`` or ``memory``); False for UNBOUNDED and BY_POLICY."""
+        return self.tokens is not None or self.ratio is not None or self.memory is not None
 
 
 UNBOUNDED = Budget()

@@ -82,7 +82,7 @@ class Recipe:
         notes = []
         for owner, (schedule, layers) in owners.items():
             amount = next(b for cls, _, (b, _, o), _ in grid[layers[0]] if o == owner and _takes_budget(cls)) or self.budget
-            if amount.tokens is None and amount.ratio is None:
+            if not amount.is_limited:
                 continue  # no amount to spread: `_head` reports the missing budget
             shares = dict(zip(layers, scale_budget(amount, schedule.multipliers(len(layers), self._file)), strict=True))
             for index in layers:
@@ -101,8 +101,9 @@ class Recipe:
             params = build_params(cls, rule.params, params, f"{rule.path}.params", self._file, line_of(rule.params))
         if rule.budget is not None:
             amount, slack_given, schedule = rule.budget
-            if amount.tokens is None and amount.ratio is None:  # only a schedule: the top-level amount
-                amount = dataclasses.replace(self.budget, slack=amount.slack if slack_given else self.budget.slack)
+            if not amount.is_limited:  # only a schedule (and tiers): the top-level amount
+                amount = dataclasses.replace(self.budget, slack=amount.slack if slack_given else self.budget.slack,
+                                             tiers=amount.tiers or self.budget.tiers)
             elif not slack_given:
                 amount = dataclasses.replace(amount, slack=self.budget.slack)
             budget = (amount, schedule, f"{rule.path}.budget" if schedule is not None else None)
@@ -114,8 +115,8 @@ class Recipe:
         if cls.dynamic_budget:
             budget = BY_POLICY  # the policy sizes its cells itself (FastGen); a recipe budget does not apply
         elif not cls.evicts:
-            budget = UNBOUNDED
-        elif budget.tokens is None and budget.ratio is None:
+            budget = dataclasses.replace(UNBOUNDED, tiers=budget.tiers if budget else ())  # kept whole, at its precisions
+        elif not budget.is_limited:
             raise recipe_error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',
                                "Add e.g. budget: {ratio: 0.2} at the top level or to this rule")
         return HeadPlan(cls.name, params, budget)
@@ -210,7 +211,12 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
 
 
 def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
-    """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs)."""
+    """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs).
+
+    The recipe's precision tiers stay unless ``budget`` gives its own: a sweep over amounts keeps
+    each recipe's way of spending them."""
     if not isinstance(budget, Budget):
         raise TypeError(f"expected a kvpolicy.plan.Budget, got {budget!r}")
+    if not budget.tiers and recipe.budget is not None and recipe.budget.tiers:
+        budget = dataclasses.replace(budget, tiers=recipe.budget.tiers)
     return dataclasses.replace(recipe, budget=budget)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import did_you_mean
-from .plan import MAX_TOKENS, Budget
+from .plan import KEY_AXES, MAX_TOKENS, TIER_BITS, Budget, Tier
 from .recipe_checks import check_keys, line_of, number_hint, quote, recipe_error, type_ok
-from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES
+from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES, TIER_KEYS
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class Schedule:
 
 def scale_budget(budget: Budget, multipliers: list[float]) -> list[Budget]:
     """``budget`` times each multiplier; token counts by largest remainder (ties: the lower layer), summing exactly."""
+    if budget.memory is not None:
+        return [dataclasses.replace(budget, memory=budget.memory * m) for m in multipliers]
     if budget.tokens is None:
         return [dataclasses.replace(budget, ratio=budget.ratio * m) for m in multipliers]
     exact = [budget.tokens * m for m in multipliers]
@@ -64,7 +66,7 @@ def scale_budget(budget: Budget, multipliers: list[float]) -> list[Budget]:
 
 
 def budget_amount(budget: Budget) -> float:
-    return budget.tokens if budget.tokens is not None else budget.ratio
+    return next(a for a in (budget.tokens, budget.ratio, budget.memory, 0.0) if a is not None)
 
 
 def read_schedule(raw: Any, path: str, file: str) -> Schedule | None:
@@ -97,33 +99,92 @@ def read_schedule(raw: Any, path: str, file: str) -> Schedule | None:
     return Schedule(kind, float(beta), per_layer, path, line)
 
 
+def read_tiers(raw: Any, path: str, file: str, line: int | None, amount: str | None) -> tuple[Tier, ...]:
+    """The ``tiers`` list of a budget whose amount is ``amount`` ("memory", "ratio", "tokens" or None: unbounded)."""
+    example = "E.g. tiers: [{bits: 16, share: 0.25}, {bits: 4}]"
+    if not (isinstance(raw, list) and raw):
+        raise recipe_error(file, line, path, f"expected a list of tiers, got {quote(raw)}", example)
+    tiers = []
+    for index, entry in enumerate(raw):
+        where = f"{path}[{index}]"
+        check_keys(entry, TIER_KEYS, f"{where}.", file, line)
+        entry_line = line_of(entry)
+        bits = entry.get("bits")
+        if bits not in TIER_BITS or isinstance(bits, bool):
+            raise recipe_error(file, line_of(entry, "bits") or entry_line, f"{where}.bits",
+                               f"must be one of {', '.join(map(str, TIER_BITS))}, got {quote(bits)}", example)
+        if index == 0 and bits != 16:
+            raise recipe_error(file, line_of(entry, "bits"), f"{where}.bits", f"the first tier must keep 16 bits, not {bits}",
+                               "Sinks and the recent window stay at full precision: start with {bits: 16, share: ...}")
+        if index and bits >= tiers[-1].bits:
+            raise recipe_error(file, line_of(entry, "bits"), f"{where}.bits", f"{bits} bits after a tier of "
+                               f"{tiers[-1].bits}", "List tiers best first, each with fewer bits than the one before")
+        share, tokens, group = entry.get("share"), entry.get("tokens"), entry.get("group", DEFAULTS["tier", "group"])
+        last = index == len(raw) - 1
+        if share is not None and tokens is not None:
+            raise recipe_error(file, entry_line, where, "give share or tokens, not both")
+        if not last and share is None and tokens is None:
+            raise recipe_error(file, entry_line, where, "every tier but the last needs a size",
+                               "Give share: (a part of the budget) or tokens: N; the last tier takes what is left")
+        if share is not None and not (type_ok(share, float) and 0 < share < 1):
+            raise recipe_error(file, line_of(entry, "share"), f"{where}.share", f"must be a number in (0, 1), got "
+                               f"{quote(share)}", number_hint(share) or "A share of the budget, e.g. 0.25")
+        if share is not None and amount is None:
+            raise recipe_error(file, line_of(entry, "share"), f"{where}.share", "a share needs a budget to share",
+                               "Give the budget an amount (memory, ratio or tokens), or give this tier tokens: N")
+        if tokens is not None and not (type_ok(tokens, int) and 1 <= tokens <= MAX_TOKENS):
+            raise recipe_error(file, line_of(entry, "tokens"), f"{where}.tokens", f"must be an integer from 1 to "
+                               f"{MAX_TOKENS:,}, got {quote(tokens)}", number_hint(tokens))
+        if not (type_ok(group, int) and group >= 8 and group & (group - 1) == 0):
+            raise recipe_error(file, line_of(entry, "group"), f"{where}.group", f"must be a power of two >= 8, got "
+                               f"{quote(group)}", "Channels sharing one scale in quantized values, e.g. 32")
+        keys = entry.get("keys", DEFAULTS["tier", "keys"])
+        if keys not in KEY_AXES:
+            raise recipe_error(file, line_of(entry, "keys"), f"{where}.keys", f"unknown key scaling {quote(keys)}"
+                               f"{did_you_mean(str(keys), KEY_AXES)}", f"Use one of: {', '.join(KEY_AXES)}")
+        tiers.append(Tier(int(bits), None if share is None else float(share), tokens, int(group), keys))
+    shares = sum(t.share or 0.0 for t in tiers)
+    if shares >= 1:
+        raise recipe_error(file, line, path, f"the tiers' shares add up to {shares:g}",
+                           "They must leave part of the budget to the last tier: keep their sum below 1")
+    return tuple(tiers)
+
+
 def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False) -> tuple[Budget, bool, Schedule | None]:
     """(Budget, whether slack was given, schedule).
 
     A rule's budget may give only a schedule: its Budget then has neither ratio nor tokens,
-    and the rule's layers share the top-level amount.
+    and the rule's layers share the top-level amount. A budget may give only ``tiers``: tokens
+    kept at chosen precisions, none evicted by the budget (for policies that never evict).
     """
     check_keys(raw, BUDGET_KEYS, f"{path}.", file, line)
     schedule = read_schedule(raw, path, file)
-    given = [k for k in ("ratio", "tokens") if k in raw]
+    given = [k for k in ("ratio", "tokens", "memory") if k in raw]
+    slack = raw.get("slack", DEFAULTS["budget", "slack"])
+    if not (type_ok(slack, int) and 0 <= slack <= MAX_TOKENS):
+        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack",
+                           f"must be an integer from 0 to {MAX_TOKENS:,}, got {quote(slack)}", number_hint(slack))
+    tiers = () if "tiers" not in raw else read_tiers(raw["tiers"], f"{path}.tiers", file, line_of(raw, "tiers"),
+                                                      given[0] if len(given) == 1 else None)
     if rule and not given and schedule is not None:
-        slack = raw.get("slack", DEFAULTS["budget", "slack"])
-        if not (type_ok(slack, int) and slack >= 0):
-            raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack", f"must be an integer >= 0, got {quote(slack)}",
-                               number_hint(slack))
-        return Budget(slack=slack), "slack" in raw, schedule
+        return Budget(slack=slack, tiers=tiers), "slack" in raw, schedule
+    if not given and tiers and schedule is None:
+        return Budget(slack=slack, tiers=tiers), "slack" in raw, None
     if len(given) != 1:
-        problem = "give exactly one of ratio/tokens" + (", not both" if given else "")
-        raise recipe_error(file, line_of(raw), path, problem, "E.g. budget: {ratio: 0.2} or budget: {tokens: 512}")
-    ratio, tokens, slack = raw.get("ratio"), raw.get("tokens"), raw.get("slack", DEFAULTS["budget", "slack"])
+        problem = "give exactly one of ratio/tokens/memory" + (f", not {' and '.join(given)}" if given else "")
+        raise recipe_error(file, line_of(raw), path, problem,
+                           "E.g. budget: {ratio: 0.2}, budget: {tokens: 512} or budget: {memory: 0.2}")
+    ratio, tokens, memory = raw.get("ratio"), raw.get("tokens"), raw.get("memory")
     if ratio is not None and not (type_ok(ratio, float) and 0 < ratio <= 1):
         raise recipe_error(file, line_of(raw, "ratio"), f"{path}.ratio", f"must be a number in (0, 1], got {quote(ratio)}",
                            number_hint(ratio) or "A ratio is the share of the prompt to keep, e.g. 0.2; for a count use tokens: N")
+    if memory is not None and not (type_ok(memory, float) and 0 < memory <= 1):
+        raise recipe_error(file, line_of(raw, "memory"), f"{path}.memory", f"must be a number in (0, 1], got "
+                           f"{quote(memory)}", number_hint(memory) or "The share of a 16-bit cache's bytes to spend, e.g. 0.2")
     if tokens is not None and not (type_ok(tokens, int) and 1 <= tokens <= MAX_TOKENS):
         raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens",
                            f"must be an integer from 1 to {MAX_TOKENS:,}, got {quote(tokens)}",
                            number_hint(tokens) or "A budget in tokens counts the tokens each KV head keeps")
-    if not (type_ok(slack, int) and 0 <= slack <= MAX_TOKENS):
-        raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack",
-                           f"must be an integer from 0 to {MAX_TOKENS:,}, got {quote(slack)}", number_hint(slack))
-    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack), "slack" in raw, schedule
+    budget = Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack,
+                    memory=None if memory is None else float(memory), tiers=tiers)
+    return budget, "slack" in raw, schedule

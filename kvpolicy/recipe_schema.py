@@ -70,9 +70,16 @@ RULES = {
 }
 BUDGET = (
     Key("ratio", "number in (0, 1]", None, "share of each row's prompt (its real tokens) to keep; give exactly "
-        "one of ratio and tokens", "required: one of ratio, tokens"),
-    Key("tokens", "integer >= 1", None, "tokens to keep; give exactly one of ratio and tokens",
-        "required: one of ratio, tokens"),
+        "one of ratio, tokens and memory", "required: one of ratio, tokens, memory"),
+    Key("tokens", "integer >= 1", None, "tokens to keep; give exactly one of ratio, tokens and memory",
+        "required: one of ratio, tokens, memory"),
+    Key("memory", "number in (0, 1]", None, "share of the bytes a 16-bit cache of each row's prompt would take, "
+        "per (layer, KV head), counting keys, values, quantization scales and every per-token byte the cache "
+        "keeps; spent over `tiers` (one 16-bit tier when none are given); give exactly one of ratio, tokens "
+        "and memory", "required: one of ratio, tokens, memory"),
+    Key("tiers", "list of tier mappings", None, "precision tiers, best first: the policy's best-ranked tokens go "
+        "to the first tier, the next to the lower ones, the rest is evicted; see the tier keys",
+        "none: tokens kept at the model's dtype (a memory budget: one 16-bit tier)"),
     Key("slack", "integer >= 0", 0, "tokens a head may go over budget before one compaction drops them all "
         "(amortized eviction: fewer compactions, up to `slack` tokens more memory)"),
     Key("schedule", f"one of {', '.join(SCHEDULES)}", "uniform", "how the budget is spread over the layers "
@@ -82,7 +89,25 @@ BUDGET = (
     Key("per_layer", "list of positive numbers", None, "one multiplier per layer that uses this budget, in "
         "depth order, averaging 1; excludes `schedule`"),
 )
+TIER = (
+    Key("bits", "one of 16, 8, 4, 2", REQUIRED, "16: 16-bit floats (even when the model computes in fp32); 8, 4, 2: "
+        "integer codes, keys per channel and values per token; each tier has fewer bits than the one before, the "
+        "first has 16 (sinks and the recent window stay at full precision)"),
+    Key("share", "number in (0, 1)", None, "share of the budget for this tier: of its bytes under `memory`, of its "
+        "tokens under `ratio` or `tokens`; give share or tokens on every tier but the last",
+        "the last tier: what is left"),
+    Key("tokens", "integer >= 1", None, "a fixed number of tokens for this tier (e.g. a recent window kept at 16 "
+        "bits while everything older is quantized)", "the last tier: what is left"),
+    Key("group", "power of two >= 8 dividing the head size", 32, "channels that share one scale and zero point in "
+        "this tier's quantized values, and keys quantized per token (KIVI and KVQuant: 32 to 128); a group wider than the "
+        "head is the whole head"),
+    Key("keys", "channel or token", "channel", "how this tier's keys are scaled: `channel`, one range per channel "
+        "and (row, KV head) that widens as tokens arrive (KIVI, KVQuant: outlier channels get their own scale); "
+        "`token`, a scale per token and group, like values (8 bytes more a token at head size 64)"),
+)
 TOP_KEYS = tuple(key.name for key in TOP_LEVEL)
+TIER_KEYS = tuple(key.name for key in TIER)
 RULE_KEYS = {kind: tuple(key.name for key in keys) for kind, keys in RULES.items()}
 BUDGET_KEYS = tuple(key.name for key in BUDGET)
-DEFAULTS = {("top", k.name): k.default for k in TOP_LEVEL} | {("budget", k.name): k.default for k in BUDGET}
+DEFAULTS = ({("top", k.name): k.default for k in TOP_LEVEL} | {("budget", k.name): k.default for k in BUDGET}
+            | {("tier", k.name): k.default for k in TIER})

@@ -264,6 +264,9 @@ def test_paged_plan_of_the_builtin_recipes():
      "layer\\(s\\) 0-1 keep every token"),
     ({"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2}, "heads": [{"heads": "0", "budget": {"tokens": 9}}]},
      "KV heads of layer 0 have different budgets"),
+    ("h2o-mixed", "budget.memory \\(layer 0\\): precision tiers and budgets in bytes do not run in vLLM yet"),
+    ({"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2, "tiers": [{"bits": 16, "share": 0.5}, {"bits": 4}]}},
+     "budget.tiers \\(layer 0\\)"),
 ])
 def test_paged_plan_refuses_what_blocks_cannot_hold(spec, words):
     with pytest.raises(KVPolicyError, match=words) as info:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
+from ..plan import Budget
 from ..recipe import load_recipe, with_budget
 from ..registry import describe_failure, get_registry
 from .common import (
@@ -33,7 +34,7 @@ from .common import (
     require,
     torch_dtype,
 )
-from .compare_report import plot_sweep, table
+from .compare_report import MEMORY_SUFFIX, plot_sweep, table
 from .output_files import OutputLock, load_results, write_csv, write_jsonl
 
 if TYPE_CHECKING:  # the tasks import transformers: loaded when a sweep runs, so that bad input fails fast
@@ -54,6 +55,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add("--budgets", nargs="+", default=DEFAULT_BUDGETS, metavar="BUDGET",
         help="ratios (0.2 = 20%% of the prompt, or of the evaluated tokens for ppl) or token counts (512) "
              f"(default: {' '.join(DEFAULT_BUDGETS)})")
+    add("--budget-unit", choices=BUDGET_UNITS, default="tokens",
+        help="tokens: --budgets count tokens kept (ratios or counts); memory: each budget is a share of the bytes a "
+             "16-bit cache of the same tokens takes, so every recipe runs at equal bytes (eviction-only recipes keep "
+             "what fits at 16 bits; recipes with precision tiers spend it over their tiers) (default: tokens)")
     add("--tasks", nargs="+", metavar="TASK",
         help=f"tasks to run, see kvpolicy/tasks (default: {' '.join(DEFAULT_TASKS)}; none with --suite)")
     add("--suite", choices=SUITE_NAMES, metavar="SUITE",
@@ -111,11 +116,21 @@ def _tasks(names: list[str], lengths: list[int]) -> list[Task]:
     return at_lengths([tasks[name] for name in dict.fromkeys(names)], lengths)
 
 
-def _budgets(texts: list[str]) -> list[tuple[str, Any]]:
+BUDGET_UNITS = ("tokens", "memory")
+
+
+def _budgets(texts: list[str], unit: str = "tokens") -> list[tuple[str, Any]]:
+    """(label, Budget) per --budgets value: "0.2" (a ratio), "512" (tokens), "0.2 mem" (a share of 16-bit bytes)."""
     budgets: dict[str, Any] = {}
     for text in texts:
         budget = parse_budget(text)
-        label = f"{budget.ratio:g}" if budget.ratio is not None else str(budget.tokens)
+        if unit == "memory":
+            if budget.ratio is None:
+                raise KVPolicyError(f"--budget-unit memory takes shares of a 16-bit cache's bytes in (0, 1], e.g. "
+                                    f"0.1 0.2 0.3; got {text!r}")
+            budget = Budget(memory=budget.ratio)
+        label = f"{budget.memory:g}{MEMORY_SUFFIX}" if budget.memory is not None else (
+            f"{budget.ratio:g}" if budget.ratio is not None else str(budget.tokens))
         budgets.setdefault(label, budget)
     return list(budgets.items())
 
@@ -191,6 +206,7 @@ def _model_label(args: argparse.Namespace) -> str:
 
 def _command(args: argparse.Namespace, out: Path) -> str:
     parts = ["kvpolicy", "compare", "--model", args.model, "--recipes", *args.recipes, "--budgets", *args.budgets,
+             *(["--budget-unit", args.budget_unit] if args.budget_unit != "tokens" else []),
              "--tasks", *_task_names(args), "--tokens", str(args.tokens), "--prompt-tokens", *map(str, args.prompt_tokens),
              "--trials", str(args.trials), "--ppl-mode", args.ppl_mode, "--threads", str(args.threads),
              "--seed", str(args.seed), "--out", str(out)]
@@ -209,7 +225,7 @@ def run_compare(args: argparse.Namespace) -> None:
     for package in ("rich", "matplotlib"):  # the table and the plots: a missing one fails now, not after the sweep
         require(package)
     tasks = _tasks(_task_names(args), args.prompt_tokens)
-    budgets = _budgets(args.budgets)
+    budgets = _budgets(args.budgets, args.budget_unit)
     recipes = _recipes(args.recipes)
     text, text_source = read_text(args.text_file)
     out = _out_dir(args.out)
@@ -302,6 +318,31 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
 
 
 def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+    """``task.run`` once per group of rows that one batch can hold (`_storage_groups`), in the rows' order."""
+    groups = _storage_groups(ctx.model, rows)
+    if len(groups) == 1:
+        return _run_group(task, ctx, rows)
+    metrics: list[dict[str, Any]] = [{}] * len(rows)
+    for group in groups:
+        for index, result in zip(group, _run_group(task, ctx, [rows[i] for i in group]), strict=True):
+            metrics[index] = result
+    return metrics
+
+
+def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
+    """Rows whose layers store their tokens alike (the same precision tiers, or none), which tasks may batch."""
+    from ..hf.session import model_shape
+
+    layers, heads = model_shape(model)
+    groups: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        plan = row.spec.resolve(layers, heads) if hasattr(row.spec, "resolve") else row.spec
+        tiers = tuple(h.budget.precision_tiers for layer in plan.layers for h in layer.heads)
+        groups.setdefault(tiers, []).append(index)
+    return list(groups.values())
+
+
+def _run_group(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
     """``task.run``; a plugin's task that fails (or returns the wrong number of rows) is named in a KVPolicyError."""
     module = getattr(type(getattr(task, "task", task)), "__module__", "") or ""  # AtLength: the task it runs
     if module.startswith("kvpolicy."):
@@ -324,6 +365,7 @@ def _result(task: Task, row: Row, key: str, metrics: dict[str, Any], ctx: Contex
     return {
         "task": task.name, "recipe": row.recipe, "budget": row.budget, "evicts": row.evicts or row.budget is not None,
         "budget_ratio": getattr(value, "ratio", None), "budget_tokens": getattr(value, "tokens", None),
+        "budget_memory": getattr(value, "memory", None),
         **metrics, "settings": task.settings(ctx), **meta, "key": key,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -17,7 +17,18 @@ def _budget_text(row: Row | dict) -> str:
     if budget is None:
         evicts = row.get("evicts", False) if isinstance(row, dict) else row.evicts
         return "per head" if evicts else "all"  # per head: the policy sizes each head itself (FastGen)
+    if budget.endswith(MEMORY_SUFFIX):
+        return f"{budget_number(budget):.0%} bytes"
     return f"{float(budget):.0%}" if "." in budget else f"{budget} tok"
+
+
+#: The label of a budget in bytes (``--budget-unit memory``): "0.2 mem", a share of a 16-bit cache's bytes.
+MEMORY_SUFFIX = " mem"
+
+
+def budget_number(label: str) -> float:
+    """The number in a budget label: 0.2 for "0.2" and "0.2 mem", 512 for "512"."""
+    return float(label.removesuffix(MEMORY_SUFFIX))
 
 
 def table(sweep: list[dict[str, Any]], rows: list[Row], tasks: list[Task], title: str = ""):
@@ -52,10 +63,11 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
     except OSError as error:
         raise KVPolicyError(f"cannot create the plots folder {str(folder)!r}: {error.strerror or error}; "
                             "remove what is in the way or choose another --out") from None
-    budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=float)
-    ratios = all("." in b for b in budgets)
+    budgets = sorted({r["budget"] for r in sweep if r["budget"] is not None}, key=budget_number)
+    memory = all(b.endswith(MEMORY_SUFFIX) for b in budgets)
+    ratios = memory or all("." in b for b in budgets)
     tokens = all("." not in b for b in budgets)
-    x_of = {b: (float(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
+    x_of = {b: (budget_number(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
     paths = []
     for figure, panels in figures.items():
         cols = 2 if len(panels) == 4 else min(4 if len(panels) > 9 else 3, len(panels))
@@ -67,7 +79,8 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
             _panel(ax, [r for r in sweep if (r["task"], r.get("length")) == task and r.get(metric) is not None],
                    metric, x_of)
             ax.set_title(label, fontsize=10)
-            ax.set_xlabel("budget, % of the prompt (ppl: of the text)" if ratios else "budget, tokens" if tokens else "budget")
+            ax.set_xlabel("budget, % of a 16-bit cache's bytes" if memory else "budget, % of the prompt (ppl: of the text)"
+                          if ratios else "budget, tokens" if tokens else "budget")
             if not (ratios or tokens):
                 ax.set_xticks(list(x_of.values()), budgets)
         handles, labels = axes[0][0].get_legend_handles_labels()

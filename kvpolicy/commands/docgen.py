@@ -34,7 +34,7 @@ from typing import Any
 from .. import hookspecs
 from ..policies.base import STAT_NAMES, AttentionStats, Policy
 from ..recipe_budgets import Schedule
-from ..recipe_schema import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TOP_LEVEL, Key
+from ..recipe_schema import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TIER, TOP_LEVEL, Key
 from ..registry import Registry
 
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)
@@ -335,6 +335,7 @@ def blocks(registry: Registry | None = None) -> dict[str, str]:
         "recipe-layer-rule": keys_table(RULES["layers"]),
         "recipe-head-rule": keys_table(RULES["heads"]),
         "recipe-budget": keys_table(BUDGET),
+        "recipe-tier": keys_table(TIER),
         "recipe-schedules": schedules_block(),
         "policies": policies_table(registry),
         "policy-params": all_policy_params(registry),

@@ -81,6 +81,10 @@ class KVStore(ABC):
     def mark_pads(self) -> None:
         """This pass's tokens include pads (the layer has marked them invalid)."""
 
+    def wants_scores(self) -> bool:
+        """Tokens must move (e.g. down a precision tier) even though no cell is over its budget."""
+        return False
+
     def fit(self, tokens: int) -> None:
         """Free storage past ``tokens`` per cell (plus the slack and working slots) where far above it."""
         return None

@@ -13,9 +13,10 @@ import torch
 
 
 class SlotTable:
-    def __init__(self, batch: int, heads: int, device: torch.device, token_state: dict[str, torch.dtype]):
+    def __init__(self, batch: int, heads: int, device: torch.device, token_state: dict[str, torch.dtype],
+                 position_dtype: torch.dtype = torch.long):
         self.valid = torch.zeros((batch, heads, 0), dtype=torch.bool, device=device)
-        self.positions = torch.full((batch, heads, 0), -1, dtype=torch.long, device=device)
+        self.positions = torch.full((batch, heads, 0), -1, dtype=position_dtype, device=device)
         self.token_state = {name: torch.zeros((batch, heads, 0), dtype=dtype, device=device)
                             for name, dtype in token_state.items()}
 
@@ -48,15 +49,17 @@ class SlotTable:
         self.valid[:, :, :width] = torch.arange(width, device=self.valid.device) < keep[..., None]
         self.positions[:, :, :width].masked_fill_(~self.valid[:, :, :width], -1)
 
-    def reorder(self, order: torch.Tensor, present: torch.Tensor, used: int) -> None:
-        """Slot s of each cell takes slot ``order[..., s]`` where ``present`` ([B, Hkv, width]); the rest up to ``used`` empties."""
-        width = order.shape[2]
-        self.positions[:, :, :width] = self.positions[:, :, :used].gather(2, order).masked_fill_(~present, -1)
-        self.positions[:, :, width:used] = -1
+    def reorder(self, order: torch.Tensor, present: torch.Tensor, used: int, start: int = 0) -> None:
+        """Slot start + s of each cell takes slot ``start + order[..., s]`` where ``present`` ([B, Hkv, width]); the
+        rest of [start, used) empties."""
+        end = start + order.shape[2]
+        span = slice(start, used)
+        self.positions[:, :, start:end] = self.positions[:, :, span].gather(2, order).masked_fill_(~present, -1)
+        self.positions[:, :, end:used] = -1
         for tensor in self.token_state.values():
-            tensor[:, :, :width] = tensor[:, :, :used].gather(2, order).masked_fill_(~present, 0)
-        self.valid[:, :, :used] = False
-        self.valid[:, :, :width] = present
+            tensor[:, :, start:end] = tensor[:, :, span].gather(2, order).masked_fill_(~present, 0)
+        self.valid[:, :, span] = False
+        self.valid[:, :, start:end] = present
 
 
 def resize_slots(tensor: torch.Tensor, capacity: int, used: int, fill: float | int | bool) -> torch.Tensor:

@@ -111,6 +111,11 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     for index, layer in enumerate(plan.layers):
         for head in layer.heads:
             _check_policy(policies[head.policy_key], where, index)
+            if head.budget.tiered:
+                raise KVPolicyError(
+                    f"{where}: budget.{'memory' if head.budget.memory is not None else 'tiers'} (layer {index}): "
+                    "precision tiers and budgets in bytes do not run in vLLM yet (its KV blocks hold every token at "
+                    "the model's dtype); give the budget in tokens or as a ratio, or run the recipe with transformers")
     bounded = [any(h.budget.is_limited and policies[h.policy_key].evicts for h in layer.heads) for layer in plan.layers]
     if not any(bounded):
         return None

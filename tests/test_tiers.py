@@ -1,0 +1,223 @@
+"""Precision tiers and byte budgets (#15): recipes, tier sizes, the tiered store on a tiny model and on SmolLM2."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+
+import pytest
+import torch
+from helpers import uniform_plan
+from tiny_models import VOCAB, tiny_model
+
+from kvpolicy.budgets import tier_sizes
+from kvpolicy.errors import KVPolicyError, RecipeError
+from kvpolicy.hf.session import attach
+from kvpolicy.plan import Budget, Tier
+from kvpolicy.recipe import load_recipe
+from kvpolicy.storage.tier_formats import TierCosts
+from kvpolicy.storage.tiered import TieredStore
+
+
+def recipe(tmp_path, body: str):
+    path = tmp_path / "r.yaml"
+    path.write_text("kvpolicy: 1\n" + textwrap.dedent(body))
+    return load_recipe(str(path))
+
+
+def stream(model, session, ids: torch.Tensor, prompt: int, check=None) -> tuple[torch.Tensor, object]:
+    """Prefill ``prompt`` tokens, then feed the rest one at a time; ``check(cache)`` after every pass. Logits of every
+    fed token's successor, [n, vocab]."""
+    cache = session.new_cache(prompt_tokens=prompt)
+    out = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids[:, :prompt], cache=cache, use_cache=True).logits[:, -1]
+        if check:
+            check(cache)
+        for index in range(prompt, ids.shape[1]):
+            out.append(logits)
+            logits = model(input_ids=ids[:, index : index + 1], cache=cache, use_cache=True).logits[:, -1]
+            if check:
+                check(cache)
+    return torch.cat(out), cache
+
+
+def random_ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# --- recipes --------------------------------------------------------------------------------------------------------
+def test_builtin_tier_recipes_resolve_and_say_their_tiers():
+    mixed = load_recipe("h2o-mixed").resolve(3, 2).describe()
+    assert "0.2 of the prompt's 16-bit bytes in tiers 16-bit 0.5 + 4-bit rest" in mixed
+    kivi = load_recipe("kivi").resolve(3, 2).describe()
+    assert "full()" in kivi and "unbounded in tiers 16-bit 128 tokens + 4-bit rest" in kivi
+
+
+@pytest.mark.parametrize("budget, line, fragment", [
+    ("budget: {memory: 1.5}", 3, "budget.memory: must be a number in (0, 1], got 1.5"),
+    ("budget: {memory: 0.2, tokens: 5}", 3, "give exactly one of ratio/tokens/memory, not tokens and memory"),
+    ("budget:\n  memory: 0.2\n  tiers:\n    - {bits: 4}\n", 6, "tiers[0].bits: the first tier must keep 16 bits"),
+    ("budget:\n  memory: 0.2\n  tiers:\n    - {bits: 16, share: 0.5}\n    - {bits: 3}\n", 7,
+     "tiers[1].bits: must be one of 16, 8, 4, 2, got 3"),
+    ("budget: {memory: 0.2, tiers: [{bits: 16, share: 0.5}, {bits: 16}]}", 3, "16 bits after a tier of 16"),
+    ("budget: {memory: 0.2, tiers: [{bits: 16}, {bits: 4}]}", 3, "every tier but the last needs a size"),
+    ("budget: {memory: 0.2, tiers: [{bits: 16, share: 0.7}, {bits: 8, share: 0.4}, {bits: 4}]}", 3,
+     "the tiers' shares add up to 1.1"),
+    ("budget: {memory: 0.2, tiers: [{bits: 16, share: 0.5}, {bits: 4, group: 12}]}", 3, "must be a power of two >= 8"),
+    ("budget: {memory: 0.2, tiers: [{bits: 16, share: 0.5}, {bits: 4, keys: tokn}]}", 3, 'did you mean "token"'),
+    ("budget: {memory: 0.2, tiers: [{bits: 16, shar: 0.5}, {bits: 4}]}", 3, 'unknown key (did you mean "share"?)'),
+    ("budget: {tiers: [{bits: 16, share: 0.5}, {bits: 4}]}", 3, "a share needs a budget to share"),
+    ("budget: {memory: 0.2, tiers: {bits: 16}}", 3, "expected a list of tiers"),
+])
+def test_memory_and_tier_errors_name_the_key_and_line(tmp_path, budget, line, fragment):
+    with pytest.raises(RecipeError) as error:
+        recipe(tmp_path, f"policy: h2o\n{budget}").resolve(2, 2)
+    assert f"r.yaml:{line}:" in str(error.value) and fragment in str(error.value)
+
+
+def test_evicting_policy_with_tiers_but_no_amount_needs_a_budget(tmp_path):
+    with pytest.raises(RecipeError, match="evicts tokens but has no budget"):
+        recipe(tmp_path, "policy: h2o\nbudget: {tiers: [{bits: 16, tokens: 8}, {bits: 4}]}").resolve(2, 2)
+
+
+def test_layer_schedules_spread_memory_budgets(tmp_path):
+    plan = recipe(tmp_path, "policy: h2o\nbudget: {memory: 0.2, schedule: pyramid, beta: 2, "
+                            "tiers: [{bits: 16, share: 0.5}, {bits: 4}]}").resolve(4, 1)
+    memories = [layer.heads[0].budget.memory for layer in plan.layers]
+    assert memories == sorted(memories, reverse=True) and math.isclose(sum(memories) / 4, 0.2)
+    assert all(layer.heads[0].budget.tiers[1].bits == 4 for layer in plan.layers)
+
+
+# --- tier sizes -------------------------------------------------------------------------------------------------------
+COSTS = TierCosts(token=(256 + 9, 72 + 9), cell=256, reference_token=256)  # head size 64: 16-bit, 4-bit (+ metadata)
+
+
+def test_tier_sizes_from_tokens_and_from_bytes():
+    tiers = (Tier(16, share=0.25), Tier(4))
+    assert tier_sizes(Budget(tokens=100, tiers=tiers), 1000, COSTS, slack=0) == [25, 75]
+    assert tier_sizes(Budget(ratio=0.1, tiers=tiers), 1000, COSTS, slack=0) == [25, 75]
+    money = math.floor(0.2 * 1000 * 256) - 256
+    top = int(0.25 * money) // 265 - 1  # the 16-bit share also pays for the token waiting between evictions
+    low = (money - (top + 1) * 265) // 81
+    assert tier_sizes(Budget(memory=0.2, tiers=tiers), 1000, COSTS, slack=0) == [top, low]
+    alone = TierCosts(token=(265,), cell=0, reference_token=256)
+    assert tier_sizes(Budget(memory=0.2, slack=3), 1000, alone, slack=3) == [math.floor(0.2 * 1000 * 256) // 265 - 4]
+    fixed = (Tier(16, tokens=64), Tier(2))
+    assert tier_sizes(Budget(tiers=fixed), 1000, COSTS, slack=0)[0] == 64  # nothing bounds the rest
+
+
+def test_a_memory_budget_too_small_for_its_tiers_says_so():
+    with pytest.raises(KVPolicyError, match="too few for the tiers .* raise memory"):
+        tier_sizes(Budget(memory=0.001, tiers=(Tier(16, share=0.5), Tier(4))), 100, COSTS, slack=0)
+
+
+# --- the tiered store on a tiny model ---------------------------------------------------------------------------------
+def layer_tiers_of_positions(layer) -> dict[tuple[int, int, int], int]:
+    """(row, head, position) -> tier index of every kept token of a tiered layer."""
+    store: TieredStore = layer.store
+    out = {}
+    valid, positions = store.slots.valid[:, :, : store.used], store.slots.positions[:, :, : store.used]
+    for tier in range(len(store.tiers)):
+        lo, hi = store.offset(tier), min(store.offset(tier) + store.caps[tier], store.used)
+        for b, h, s in (valid[:, :, lo:hi]).nonzero().tolist():
+            out[(b, h, int(positions[b, h, lo + s]))] = tier
+    return out
+
+
+def test_byte_budget_held_after_every_pass_and_tokens_only_move_down(tmp_path):
+    model = tiny_model("llama")
+    spec = recipe(tmp_path, "policy: h2o\nbudget: {memory: 0.3, slack: 2, tiers: [{bits: 16, share: 0.4}, "
+                            "{bits: 8, share: 0.3}, {bits: 2}]}")
+    session = attach(model, spec)
+    prompt, batch = 48, 2
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    budget_bytes = math.floor(0.3 * prompt * 4 * head_dim) * batch * model.config.num_key_value_heads
+    history: dict[tuple, int] = {}
+    steps = {"n": 0}
+
+    def check(cache):
+        steps["n"] += 1
+        for index, layer in enumerate(cache.layers):
+            assert layer.nbytes() <= budget_bytes, (steps["n"], index, layer.nbytes(), budget_bytes)
+            sizes = layer.budgets.tier_sizes
+            tiers = layer_tiers_of_positions(layer)
+            counts = torch.zeros_like(sizes)
+            for (b, h, _), tier in tiers.items():
+                counts[tier, b, h] += 1
+            assert bool((counts[1:] <= sizes[1:]).all()) and bool((counts[0] <= sizes[0] + layer.budgets.slack).all())
+            for key, tier in tiers.items():
+                assert history.get((index, *key), 0) <= tier, f"token {key} of layer {index} moved up a tier"
+                history[(index, *key)] = tier
+
+    ids = random_ids(prompt + 60, batch=batch)
+    stream(model, session, ids, prompt, check)
+    assert steps["n"] == 61 and set(history.values()) == {0, 1, 2}  # every tier was used
+
+
+def test_a_16_bit_tier_in_bfloat16_is_the_dense_cache_exactly():
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = random_ids(70, seed=3)
+    plain = attach(model, uniform_plan(model, "h2o", Budget(tokens=20)))
+    tiered = attach(model, uniform_plan(model, "h2o", Budget(tokens=20, tiers=(Tier(16),))))
+    logits_dense, cache_dense = stream(model, plain, ids, 30)
+    logits_tiered, cache_tiered = stream(model, tiered, ids, 30)
+    assert isinstance(cache_tiered.layers[0].store, TieredStore)
+    assert torch.equal(logits_dense, logits_tiered)
+    assert [layer.kept_positions() for layer in cache_dense.layers] == [
+        layer.kept_positions() for layer in cache_tiered.layers]
+
+
+def test_kivi_style_tiers_keep_every_token_and_the_recent_ones_at_16_bits(tmp_path):
+    model = tiny_model("llama")
+    session = attach(model, recipe(tmp_path, "policy: full\nbudget: {tiers: [{bits: 16, tokens: 8}, {bits: 4}]}"))
+    _, cache = stream(model, session, random_ids(50), 20)
+    for layer in cache.layers:
+        tiers = layer_tiers_of_positions(layer)
+        assert sorted(p for (_, _, p) in tiers) == sorted(list(range(50)) * 2)  # every token of both heads
+        assert {p for (b, h, p), t in tiers.items() if t == 0} == set(range(42, 50))
+
+
+@pytest.mark.parametrize("bits, bound", [(8, 0.02), (4, 0.15), (2, 0.6)])
+def test_quantized_tiers_stay_close_to_the_full_cache(tmp_path, bits, bound):
+    """Nothing evicted, everything past 4 recent tokens quantized: the logits' error shrinks with the bits."""
+    model = tiny_model("llama")
+    ids = random_ids(60, seed=5)
+    full, _ = stream(model, attach(model, load_recipe("full")), ids, 40)
+    quantized, cache = stream(model, attach(model, recipe(
+        tmp_path, f"policy: full\nbudget: {{tiers: [{{bits: 16, tokens: 4}}, {{bits: {bits}, group: 16}}]}}")), ids, 40)
+    error = float((quantized - full).norm() / full.norm())
+    assert 0 < error < bound, error
+    report = str(cache.memory_report())
+    assert f"{bits}-bit" in report and "tiered" in report
+
+
+def test_policies_tiers_cannot_serve_yet_are_refused(tmp_path):
+    model = tiny_model("llama")
+    session = attach(model, recipe(tmp_path, "policy: adakv\nbudget: {memory: 0.3, tiers: [{bits: 16, share: 0.5}, "
+                                             "{bits: 4}]}"))
+    with pytest.raises(KVPolicyError, match="'adakv' splits budgets among its heads.*precision tiers"):
+        stream(model, session, random_ids(30), 20)
+
+
+def test_a_group_that_does_not_divide_the_head_size_is_named():
+    from kvpolicy.storage.tiered import check_head_dim
+
+    with pytest.raises(KVPolicyError, match="groups 32 channels per scale, but the head size is 80"):
+        check_head_dim(80, (Tier(16, share=0.5), Tier(4, group=32)), 3)
+    check_head_dim(16, (Tier(16, share=0.5), Tier(4, group=32)), 3)  # wider than the head: one group per token
+
+
+def test_compare_at_equal_bytes(tiny, tmp_path, capsys):
+    from test_compare import compare, results
+
+    out = tmp_path / "sweep"
+    mixed = tmp_path / "mixed16.yaml"
+    mixed.write_text("kvpolicy: 1\npolicy: h2o\nbudget: {memory: 0.2, tiers: [{bits: 16, share: 0.5}, {bits: 4}]}\n")
+    assert compare(tiny, out, "--recipes", "h2o", str(mixed), "--budgets", "0.3", "--budget-unit", "memory",
+                   "--tasks", "ppl", "memory") == 0
+    rows = results(out)
+    budgeted = [r for r in rows if r["budget"] is not None]
+    assert {r["budget"] for r in budgeted} == {"0.3 mem"} and all(r["budget_memory"] == 0.3 for r in budgeted)
+    assert len(budgeted) == 4  # h2o and the mixed recipe, ppl and memory each
+    assert "30% bytes" in capsys.readouterr().out
