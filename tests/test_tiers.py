@@ -251,3 +251,23 @@ def test_h2o_mixed_on_smollm2_holds_its_bytes_and_beats_eviction_at_equal_bytes(
     assert perplexity(full) < perplexity(mixed) < perplexity(evicting)
     report = str(cache.memory_report())
     assert "16-bit" in report and "4-bit" in report
+
+
+def test_a_long_stream_holds_its_bytes_flat(tiny, tmp_path):
+    """`kvpolicy bench --stream-tokens` with a budget in bytes and three tiers: after warm-up everything the cache
+    holds (K/V, scales, ranges, per-slot metadata) stays flat, at or under the budget."""
+    from test_bench import read
+
+    from kvpolicy.commands.cli import main
+
+    model, text = tiny
+    recipe_file = tmp_path / "tiers.yaml"
+    recipe_file.write_text("kvpolicy: 1\npolicy: h2o\nbudget: {memory: 0.3, tiers: [{bits: 16, share: 0.4}, "
+                           "{bits: 4, share: 0.3}, {bits: 2}]}\n")
+    out = tmp_path / "stream"
+    assert main(["bench", "--model", model, "--text-file", text, "--recipe", str(recipe_file), "--stream-tokens", "900",
+                 "--stream-budget", "200", "--stream-chunk", "1", "--every", "50", "--threads", "1",
+                 "--out", str(out)]) == 0
+    summary = read(out / "bench.jsonl")[-1]
+    assert summary["samples_after_warmup"] >= 8 and summary["live_over_budget"] <= 0
+    assert summary["allocated_spread"] <= 0.01 and summary["flat"] is True

@@ -27,11 +27,13 @@ def run_stream(model: Any, text_ids: torch.Tensor, args: argparse.Namespace, log
     recipe = load_recipe(name)
     if args.budget:
         recipe = with_budget(recipe, parse_budget(args.budget))
-    if recipe.budget.tokens is None:
+    memory = recipe.budget.memory
+    if recipe.budget.tokens is None and memory is None:
         # a ratio resolves from the first forward pass, which in a stream is one chunk
         recipe = with_budget(recipe, Budget(tokens=args.stream_budget))
     session = attach(model, recipe)
-    cache = session.new_cache()
+    # a budget in bytes is a share of what --stream-budget tokens would take at 16 bits
+    cache = session.new_cache(prompt_tokens=args.stream_budget if memory is not None else None)
     device = next(model.parameters()).device
     total = args.stream_tokens
     ids = text_ids.repeat(math.ceil(total / text_ids.numel()))[:total].to(device)
@@ -53,16 +55,27 @@ def run_stream(model: Any, text_ids: torch.Tensor, args: argparse.Namespace, log
                 "gpu_bytes": torch.cuda.memory_allocated() if device.type == "cuda" else None,
             })
     session.detach()
-    return _stream_summary(samples, cache, recipe, log)
+    return _stream_summary(samples, cache, recipe, log, args.stream_budget)
 
 
-def _stream_summary(samples: list[dict], cache: Any, recipe: Any, log) -> list[dict]:
-    """Flatness after warm-up: the first sample with every layer at its budget, plus one more sample."""
+def _stream_summary(samples: list[dict], cache: Any, recipe: Any, log, stream_budget: int) -> list[dict]:
+    """Flatness after warm-up: the first sample with every layer at its budget, plus one more sample.
+
+    A budget in bytes (``memory``) counts everything the cache holds (K/V, scales, per-slot metadata): its
+    samples' ``live_bytes`` are those held bytes, which must stay at or under the budget."""
     layers = [layer for layer in cache.layers if layer.is_initialized]
     heads = sum(layer.valid.shape[1] for layer in layers)
     per_token = layers[0].bytes_per_token()
-    budget_bytes = recipe.budget.tokens * heads * per_token if recipe.budget.tokens else None
-    warm = next((i for i, s in enumerate(samples) if budget_bytes and s["live_bytes"] >= budget_bytes), None)
+    memory = recipe.budget.memory
+    if memory is not None:
+        head_dim = layers[0].store.tiers[0].keys.shape[-1]
+        budget_bytes = math.floor(memory * stream_budget * 4 * head_dim) * heads
+        for sample in samples:
+            sample["live_bytes"] = sample["allocated_bytes"] + sample["metadata_bytes"]
+        warm = next((i for i, s in enumerate(samples) if s["live_bytes"] >= 0.95 * budget_bytes), None)
+    else:
+        budget_bytes = recipe.budget.tokens * heads * per_token if recipe.budget.tokens else None
+        warm = next((i for i, s in enumerate(samples) if budget_bytes and s["live_bytes"] >= budget_bytes), None)
     after = samples[warm + 1 :] if warm is not None else []
     summary = {"mode": "stream-summary", "config": recipe.name, "budget": recipe.budget.describe(),
                "tokens": samples[-1]["tokens"], "budget_bytes": budget_bytes, "samples_after_warmup": len(after)}
@@ -77,6 +90,6 @@ def _stream_summary(samples: list[dict], cache: Any, recipe: Any, log) -> list[d
         rss = [s["rss_bytes"] for s in after if s["rss_bytes"] is not None]
         if len(rss) >= 2:
             summary["rss_growth_bytes"] = rss[-1] - rss[0]
-        summary["flat"] = summary["allocated_spread"] <= 0.01 and summary["live_over_budget"] <= 0.01
+        summary["flat"] = summary["allocated_spread"] <= 0.01 and summary["live_over_budget"] <= (0 if memory else 0.01)
     return samples + [summary]
 
