@@ -20,7 +20,7 @@ class AttentionCall:
     keys: torch.Tensor  # [B, Hkv, T, D], slot for slot like `valid` (T: the layer's slots in use)
     values: torch.Tensor  # [B, Hkv, T, D]
     valid: torch.Tensor  # [B, Hkv, T] bool: the slot holds a real token
-    key_positions: torch.Tensor  # [B, Hkv, T] int64: each slot's position among its row's real tokens
+    key_positions: torch.Tensor  # [B, Hkv, T] int64 (int32 on tiered layers): each slot's position among its row's real tokens
     query_positions: torch.Tensor  # [B, q] int64, -1 for pads
     query_valid: torch.Tensor | None  # [B, q] bool, None when the call has no pads
     past_slots: int  # the call's queries sit at slots past_slots + i, so later slots are never visible

@@ -503,7 +503,7 @@ def attend_tracking_triton(
     """Attention output [B, q, Hq, D] (query dtype) plus the requested fp32 statistics over the T slots.
 
     ``query`` [B, Hq, q, D]; ``keys``/``values`` [B, Hkv, T, D] (views into the cache are fine);
-    ``valid`` [B, Hkv, T] bool; ``key_positions`` [B, Hkv, T] int64; ``query_positions`` [B, q]
+    ``valid`` [B, Hkv, T] bool; ``key_positions`` [B, Hkv, T] int64 (or int32); ``query_positions`` [B, q]
     int64 (-1 for pads); ``query_valid`` [B, q] bool or None (all real). Statistics are those of
     `torch_ref.attend_tracking`: summed over the call's real queries, mean over the G query
     heads of each KV head; only the ones named in ``needs`` are computed (others are None).
