@@ -305,28 +305,18 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
                 console.print(f"{name}: all {len(rows)} rows already in {path}, skipped")
                 continue
             task_started = time.perf_counter()
-            metrics = _run_task(task, ctx, [rows[i] for i in todo])
-            fresh = [_result(task, rows[i], keys[name][i], m, ctx, meta) for i, m in zip(todo, metrics, strict=True)]
-            done.update((row["key"], row) for row in fresh)
-            kept += fresh
-            write_jsonl(path, kept)
+            for group in _storage_groups(ctx.model, [rows[i] for i in todo]):  # each group's rows saved when done
+                batch = [todo[i] for i in group]
+                metrics = _run_task(task, ctx, [rows[i] for i in batch])
+                fresh = [_result(task, rows[i], keys[name][i], m, ctx, meta) for i, m in zip(batch, metrics, strict=True)]
+                done.update((row["key"], row) for row in fresh)
+                kept += fresh
+                write_jsonl(path, kept)
             console.print(f"{name}: {len(todo)} rows in {time.perf_counter() - task_started:.0f} s "
                           f"({len(rows) - len(todo)} already done)")
     finally:
         ctx.progress = None
     return [done[key] for task in tasks for key in keys[task_key(task)]]
-
-
-def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
-    """``task.run`` once per group of rows that one batch can hold (`_storage_groups`), in the rows' order."""
-    groups = _storage_groups(ctx.model, rows)
-    if len(groups) == 1:
-        return _run_group(task, ctx, rows)
-    metrics: list[dict[str, Any]] = [{}] * len(rows)
-    for group in groups:
-        for index, result in zip(group, _run_group(task, ctx, [rows[i] for i in group]), strict=True):
-            metrics[index] = result
-    return metrics
 
 
 def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
@@ -342,7 +332,7 @@ def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
     return list(groups.values())
 
 
-def _run_group(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
+def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
     """``task.run``; a plugin's task that fails (or returns the wrong number of rows) is named in a KVPolicyError."""
     module = getattr(type(getattr(task, "task", task)), "__module__", "") or ""  # AtLength: the task it runs
     if module.startswith("kvpolicy."):
