@@ -50,8 +50,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--model", default="smollm2", help="model alias, local Hugging Face folder or Hub id (default: smollm2)")
     add("--recipes", nargs="+", default=DEFAULT_RECIPES, metavar="RECIPE",
-        help="built-in recipe names or YAML files; the full cache is always added as the baseline "
-             f"(default: {' '.join(DEFAULT_RECIPES)})")
+        help="built-in recipe names or YAML files; the full cache is always added as the baseline; hf-hqq-4bit, "
+             "hf-quanto-2bit, hf-fp8, ...: transformers' own QuantizedCache as a baseline row "
+             f"(docs/compare.md) (default: {' '.join(DEFAULT_RECIPES)})")
     add("--budgets", nargs="+", default=DEFAULT_BUDGETS, metavar="BUDGET",
         help="ratios (0.2 = 20%% of the prompt, or of the evaluated tokens for ppl) or token counts (512) "
              f"(default: {' '.join(DEFAULT_BUDGETS)})")
@@ -138,6 +139,11 @@ def _budgets(texts: list[str], unit: str = "tokens") -> list[tuple[str, Any]]:
 def _recipes(sources: list[str]) -> list[tuple[str, Any]]:
     recipes: dict[str, Any] = {}
     for source in ["full", *sources]:
+        if source.startswith("hf-") and not Path(source).exists():  # transformers' QuantizedCache, not a recipe
+            from ..tasks.quantized_baseline import parse_baseline
+
+            recipes.setdefault(source, parse_baseline(source))
+            continue
         recipe = load_recipe(source)
         label = recipe.name if recipe.name not in recipes else source  # two recipes with one name: use the path
         recipes.setdefault(label, recipe)
@@ -165,6 +171,9 @@ def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, A
     layers, heads = model_shape(model)
     rows = []
     for label, recipe in recipes:
+        if hasattr(recipe, "open_session"):  # transformers' QuantizedCache: keeps every token, runs once
+            rows.append(Row(label, None, recipe))
+            continue
         plan = with_budget(recipe, budgets[0][1]).resolve(layers, heads)
         if not any(head.budget.is_limited for layer in plan.layers for head in layer.heads):
             # no budget to sweep: once; policies that size heads themselves (FastGen) still evict
@@ -320,12 +329,16 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
 
 
 def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
-    """Rows whose layers store their tokens alike (the same precision tiers, or none), which tasks may batch."""
+    """Rows whose layers store their tokens alike (the same precision tiers, or none), which tasks may batch; a row
+    with a cache of its own (transformers' QuantizedCache) alone."""
     from ..hf.session import model_shape
 
     layers, heads = model_shape(model)
     groups: dict[tuple, list[int]] = {}
     for index, row in enumerate(rows):
+        if hasattr(row.spec, "open_session"):
+            groups[("alone", index)] = [index]
+            continue
         plan = row.spec.resolve(layers, heads) if hasattr(row.spec, "resolve") else row.spec
         tiers = tuple(h.budget.precision_tiers for layer in plan.layers for h in layer.heads)
         groups.setdefault(tiers, []).append(index)
@@ -334,6 +347,10 @@ def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
 
 def _run_task(task: Task, ctx: Context, rows: list[Row]) -> list[dict[str, Any]]:
     """``task.run``; a plugin's task that fails (or returns the wrong number of rows) is named in a KVPolicyError."""
+    skip = rows[0].spec.skip_reason(task) if hasattr(rows[0].spec, "skip_reason") else None
+    if skip is not None:  # a task that needs kvpolicy's cache, on a row of transformers' QuantizedCache
+        length = {"length": task.length} if hasattr(task, "length") else {}
+        return [{"skipped": skip, **length} for _ in rows]
     module = getattr(type(getattr(task, "task", task)), "__module__", "") or ""  # AtLength: the task it runs
     if module.startswith("kvpolicy."):
         return task.run(ctx, rows)

@@ -84,8 +84,12 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
             if not (ratios or tokens):
                 ax.set_xticks(list(x_of.values()), budgets)
         handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=max(1, len(labels)), fontsize=9, frameon=False)
-        fig.tight_layout(rect=(0, 0.5 / (3.4 * grid + 0.5), 1, 1))
+        ncol = max(1, min(len(labels), 4))  # more recipes (baselines, tiers): the legend wraps, the figure grows
+        lines = -(-len(labels) // ncol) if labels else 1
+        height = 3.4 * grid + 0.25 + 0.25 * lines
+        fig.set_size_inches(fig.get_size_inches()[0], height)
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
+        fig.tight_layout(rect=(0, 0.25 * lines / height, 1, 1))
         path = folder / f"{figure}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -105,9 +109,11 @@ def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, 
         mine = [r for r in results if r["recipe"] == recipe]
         if all(r["budget"] is None for r in mine):
             own = bool(mine[0].get("evicts"))  # FastGen: evicts by budgets of its own, one figure at every budget
-            ax.axhline(mine[0][metric], color=f"C{drawn}" if own else "black", linestyle=":" if own else "--",
-                       linewidth=1.5 if own else 1, label=f"{recipe} ({'own budgets' if own else 'no eviction'})")
-            drawn += own
+            full = recipe == "full"  # the others that keep every token (kivi, transformers' QuantizedCache): -.
+            ax.axhline(mine[0][metric], color="black" if full else f"C{drawn}", linestyle=":" if own else "--" if full
+                       else "-.", linewidth=1 if full else 1.5,
+                       label=f"{recipe} ({'own budgets' if own else 'no eviction'})")
+            drawn += not full
             continue
         points = sorted((x_of[r["budget"]], r[metric]) for r in mine if r["budget"] is not None)
         ax.plot(*zip(*points, strict=True), marker=_MARKERS[drawn % len(_MARKERS)], markersize=max(3, 8 - 1.5 * drawn),

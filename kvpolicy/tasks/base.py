@@ -15,13 +15,18 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import KVPolicyError
 from ..hf.session import attach, attach_rows, cache_keyword
 from ..plan import Budget
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a sweep: a recipe (``spec``: a Recipe or Plan, budget applied) under a label."""
+    """One line of a sweep: a recipe (``spec``: a Recipe or Plan, budget applied) under a label.
+
+    A ``spec`` with an ``open_session(model)`` method (transformers' QuantizedCache:
+    `kvpolicy.tasks.quantized_baseline`) makes its own caches instead of a kvpolicy session's, in a batch of one.
+    """
 
     recipe: str  # label shown in tables and plots
     # canonical budget text ("0.2" = 20%, "512" = tokens); None: no recipe budget applies (run once)
@@ -114,7 +119,15 @@ def forward(model: Any, ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
 
 
 def batched_session(model: Any, rows: list[Row], tokenizer: Any = None):
-    """One kvpolicy session where batch row i follows ``rows[i]`` (``tokenizer``: for policies that read it)."""
+    """One kvpolicy session where batch row i follows ``rows[i]`` (``tokenizer``: for policies that read it).
+
+    A row whose spec opens its own session (see `Row`) runs alone: its session, for a batch of one.
+    """
+    own = [row for row in rows if hasattr(row.spec, "open_session")]
+    if own:
+        if len(rows) > 1:
+            raise KVPolicyError(f"{own[0].label} runs in a batch of its own, not with {len(rows) - 1} other rows")
+        return own[0].spec.open_session(model)
     return attach_rows(model, [row.spec for row in rows], tokenizer=tokenizer)
 
 
@@ -129,7 +142,9 @@ def text_segments(ctx: Context, length: int, count: int) -> list[torch.Tensor]:
 
 
 def kept_tokens(cache: Any, row: int) -> float:
-    """Mean tokens kept per (layer, KV head) for batch row ``row`` of a PolicyCache."""
+    """Mean tokens kept per (layer, KV head) for batch row ``row`` of a PolicyCache (or of a cache that says)."""
+    if hasattr(cache, "kept_tokens"):
+        return cache.kept_tokens(row)
     counts = [layer.valid[row].sum(dim=-1).float().mean() for layer in cache.layers if layer.is_initialized]
     return float(torch.stack(counts).mean()) if counts else 0.0
 
@@ -153,7 +168,12 @@ def run_alone(
     """
     from transformers import DynamicCache
 
-    session = attach(model, spec, tokenizer=tokenizer) if spec is not None else None
+    if spec is None:
+        session = None
+    elif hasattr(spec, "open_session"):  # a cache from outside kvpolicy (see `Row`)
+        session = spec.open_session(model)
+    else:
+        session = attach(model, spec, tokenizer=tokenizer)
     previous = model.config._attn_implementation
     if session is None and previous != "sdpa":
         model.set_attn_implementation("sdpa")
@@ -177,10 +197,13 @@ def run_alone(
 
 
 def memory_of(cache: Any) -> dict[str, int]:
-    """Live and allocated KV bytes of a PolicyCache, or of a DynamicCache (where both are its tensors' bytes)."""
+    """Live and allocated KV bytes of a PolicyCache (or a cache with a ``memory_report``, and its bytes per precision
+    tier where it has tiers), or of a DynamicCache (where both are its tensors' bytes)."""
     if hasattr(cache, "memory_report"):
         report = cache.memory_report()
-        return {"live": report.live_kv_bytes, "allocated": report.allocated_kv_bytes, "metadata": report.metadata_bytes}
+        tiers = report.tier_bytes() if hasattr(report, "tier_bytes") else {}
+        return {"live": report.live_kv_bytes, "allocated": report.allocated_kv_bytes, "metadata": report.metadata_bytes,
+                **({"tiers": tiers} if tiers else {})}
     size = sum(
         t.untyped_storage().nbytes()
         for layer in cache.layers
