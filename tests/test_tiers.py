@@ -209,17 +209,23 @@ def test_a_group_that_does_not_divide_the_head_size_is_named():
 
 
 def test_compare_at_equal_bytes(tiny, tmp_path, capsys):
+    """--budget-unit memory labels and records its rows; fidelity runs tiered rows (batched apart from the full cache)
+    and a quantized cache that evicts nothing is measured, not taken for the full cache."""
     from test_compare import compare, results
 
     out = tmp_path / "sweep"
     mixed = tmp_path / "mixed16.yaml"
     mixed.write_text("kvpolicy: 1\npolicy: h2o\nbudget: {memory: 0.2, tiers: [{bits: 16, share: 0.5}, {bits: 4}]}\n")
-    assert compare(tiny, out, "--recipes", "h2o", str(mixed), "--budgets", "0.3", "--budget-unit", "memory",
-                   "--tasks", "ppl", "memory") == 0
+    quantized = tmp_path / "kivi2.yaml"
+    quantized.write_text("kvpolicy: 1\npolicy: full\nbudget: {tiers: [{bits: 16, tokens: 8}, {bits: 2}]}\n")
+    assert compare(tiny, out, "--recipes", "h2o", str(mixed), str(quantized), "--budgets", "0.3", "--budget-unit",
+                   "memory", "--tasks", "ppl", "memory", "fidelity") == 0
     rows = results(out)
     budgeted = [r for r in rows if r["budget"] is not None]
     assert {r["budget"] for r in budgeted} == {"0.3 mem"} and all(r["budget_memory"] == 0.3 for r in budgeted)
-    assert len(budgeted) == 4  # h2o and the mixed recipe, ppl and memory each
+    assert len(budgeted) == 6  # h2o and the mixed recipe, three tasks each
+    fidelity = {r["recipe"]: r for r in rows if r["task"] == "fidelity"}
+    assert fidelity["full"]["kl"] == 0.0 and fidelity["kivi2"]["kl"] > 0 and fidelity["mixed16"]["kl"] > 0
     assert "30% bytes" in capsys.readouterr().out
 
 

@@ -178,7 +178,8 @@ def _rows(model: Any, recipes: list[tuple[str, Any]], budgets: list[tuple[str, A
         if not any(head.budget.is_limited for layer in plan.layers for head in layer.heads):
             # no budget to sweep: once; policies that size heads themselves (FastGen) still evict
             own = any(head.budget.by_policy for layer in plan.layers for head in layer.heads)
-            rows.append(Row(label, None, recipe, evicts=own))
+            tiered = any(head.budget.tiered for layer in plan.layers for head in layer.heads)
+            rows.append(Row(label, None, recipe, evicts=own, quantized=tiered))
             continue
         rows.extend(Row(label, text, with_budget(recipe, budget), budget) for text, budget in budgets)
     return rows

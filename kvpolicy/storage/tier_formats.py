@@ -113,12 +113,3 @@ class FloatTier:
 
     def cell_bytes(self) -> int:
         return 0
-
-
-def make_tier(bits: int, group: int, keys_per: str, batch: int, heads: int, head_dim: int, compute_dtype: torch.dtype,
-              device: torch.device) -> TierFormat:
-    if bits == 16:
-        return FloatTier(batch, heads, head_dim, compute_dtype, device)
-    from .quant_tier import QuantTier
-
-    return QuantTier(bits, group, batch, heads, head_dim, device, keys_per)

@@ -26,8 +26,9 @@ import torch
 from ..errors import KVPolicyError
 from ..plan import Tier
 from .base import KVStore, headroom, storage_bytes
+from .quant_tier import QuantTier
 from .slots import SlotTable, resize_slots
-from .tier_formats import TierCosts, TierFormat, make_tier
+from .tier_formats import FloatTier, TierCosts, TierFormat
 
 #: Per-slot metadata of a tiered layer: positions fit int32 (2**31 tokens), and at a few bits per channel the
 #: 8 bytes of an int64 would be a tenth of a token's cost.
@@ -255,6 +256,13 @@ class TieredStore(KVStore):
         valid = self.slots.valid[:, :, : self.used]
         return sum(int(valid[:, :, self.offset(t) : self.offset(t) + self.caps[t]].sum()) * f.token_bytes()
                    for t, f in enumerate(self.tiers))
+
+
+def make_tier(bits: int, group: int, keys_per: str, batch: int, heads: int, head_dim: int, compute_dtype: torch.dtype,
+              device: torch.device) -> TierFormat:
+    if bits == 16:
+        return FloatTier(batch, heads, head_dim, compute_dtype, device)
+    return QuantTier(bits, group, batch, heads, head_dim, device, keys_per)
 
 
 class TierSizing:

@@ -35,11 +35,13 @@ class Row:
     value: Budget | None = None
     # with no recipe budget: True if its policies still evict by budgets of their own (FastGen), else it keeps all
     evicts: bool = False
+    # keeps every token, but some at lower precision (a budget with tiers and no amount: kivi)
+    quantized: bool = False
 
     @property
     def is_full(self) -> bool:
         """The row keeps every token (a baseline), rather than evicting by a budget of the recipe's or its own."""
-        return self.budget is None and not self.evicts
+        return self.budget is None and not self.evicts and not self.quantized
 
     @property
     def label(self) -> str:

@@ -66,34 +66,57 @@ class Fidelity:
 
 
 def compare_to_full(ctx: Context, full: Row, rows: list[Row], prompt: torch.Tensor, steps: int) -> torch.Tensor:
-    """[4, len(rows)]: greedy match, agreeing prefix, mean KL and top-1 agreement on one prompt."""
+    """[4, len(rows)]: greedy match, agreeing prefix, mean KL and top-1 agreement on one prompt.
+
+    The full cache's continuation runs first, on its own (rows that store tokens differently, e.g. at
+    precision tiers, cannot share a batch with it); then each row runs twice in one batch, free-running and
+    teacher-forced on the full cache's tokens."""
+    first, reference, reference_logprobs = _full_continuation(ctx, full, prompt, steps)
     model, n = ctx.model, len(rows)
-    batch = [full, *rows, *rows]  # 0: full; 1..n: free-running; n+1..2n: teacher-forced
+    batch = [*rows, *rows]  # 0..n-1: free-running; n..2n-1: teacher-forced
     session = batched_session(model, batch, tokenizer=ctx.tokenizer)
-    free_tokens, full_tokens, kls, top1 = [], [], [], []
+    free_tokens, kls, top1 = [], [], []
     try:
         cache = session.new_cache()
         with torch.inference_mode():
-            logits = forward(model, prompt.expand(len(batch), -1), cache).logits[:, -1]
-            first = logits[0].argmax().expand(len(batch), 1)  # identical for every row: see the docstring
-            logits = forward(model, first, cache).logits[:, -1].float()
+            forward(model, prompt.expand(len(batch), -1), cache)
+            logits = forward(model, first.expand(len(batch), 1), cache).logits[:, -1].float()
             for step in range(steps):
                 logprobs = torch.log_softmax(logits, dim=-1)
-                reference = logprobs[0].argmax()
-                free = logprobs[1 : n + 1].argmax(dim=-1)
-                forced = logprobs[n + 1 :]
-                kls.append((logprobs[0].exp() * (logprobs[0] - forced)).sum(dim=-1))
-                top1.append(forced.argmax(dim=-1) == reference)
+                free, forced, full_step = logprobs[:n].argmax(dim=-1), logprobs[n:], reference_logprobs[step]
+                kls.append((full_step.exp() * (full_step - forced)).sum(dim=-1))
+                top1.append(forced.argmax(dim=-1) == reference[step])
                 free_tokens.append(free)
-                full_tokens.append(reference)
                 if step + 1 < steps:
-                    step_ids = torch.cat([reference[None], free, reference.expand(n)])[:, None]
+                    step_ids = torch.cat([free, reference[step].expand(n)])[:, None]
                     logits = forward(model, step_ids, cache).logits[:, -1].float()
     finally:
         session.detach()
-    same = torch.stack(free_tokens, dim=1) == torch.stack(full_tokens)[None, :]  # [n, steps]
+    same = torch.stack(free_tokens, dim=1) == reference[None, :]  # [n, steps]
     prefix = torch.where(same.all(dim=1), steps, (~same).int().argmax(dim=1))
     return torch.stack([
         same.double().mean(dim=1), prefix.double(), torch.stack(kls, 1).double().mean(dim=1),
         torch.stack(top1, 1).double().mean(dim=1),
     ])
+
+
+def _full_continuation(ctx: Context, full: Row, prompt: torch.Tensor,
+                       steps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The full cache's greedy continuation: (its first token [1], the ``steps`` tokens after it [steps], their
+    log-probabilities [steps, vocab]). Every row is fed the same first token: see the module docstring."""
+    session = batched_session(ctx.model, [full], tokenizer=ctx.tokenizer)
+    tokens, logprobs = [], []
+    try:
+        cache = session.new_cache()
+        with torch.inference_mode():
+            first = forward(ctx.model, prompt[None], cache).logits[0, -1].argmax().reshape(1)
+            logits = forward(ctx.model, first[None], cache).logits[0, -1].float()
+            for step in range(steps):
+                step_logprobs = torch.log_softmax(logits, dim=-1)
+                tokens.append(step_logprobs.argmax())
+                logprobs.append(step_logprobs)
+                if step + 1 < steps:
+                    logits = forward(ctx.model, tokens[-1].reshape(1, 1), cache).logits[0, -1].float()
+    finally:
+        session.detach()
+    return first, torch.stack(tokens), torch.stack(logprobs)
