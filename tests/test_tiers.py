@@ -238,7 +238,6 @@ def test_h2o_mixed_on_smollm2_holds_its_bytes_and_beats_eviction_at_equal_bytes(
     from kvpolicy.commands.common import read_text
     from kvpolicy.recipe import with_budget
 
-    torch.set_num_threads(1)
     model, tokenizer = kvpolicy.load_model("smollm2")
     ids = tokenizer(read_text(None)[0], return_tensors="pt")["input_ids"][:, 5000:5450]
     prompt, kv_heads, head_dim = 300, model.config.num_key_value_heads, 64
