@@ -27,7 +27,7 @@ from ..errors import KVPolicyError
 from ..plan import Tier
 from .base import KVStore, headroom, storage_bytes
 from .quant_tier import QuantTier
-from .slots import SlotTable, resize_slots
+from .slots import SlotTable
 from .tier_formats import FloatTier, TierCosts, TierFormat
 
 #: Per-slot metadata of a tiered layer: positions fit int32 (2**31 tokens), and at a few bits per channel the
@@ -123,8 +123,8 @@ class TieredStore(KVStore):
         if sizes is None or scores is None:
             return  # nothing moves before the budgets are known, or when nothing is over
         scores = self._grow_regions(sizes, scores)
-        target = self._assign(scores, sizes)
         tier_of_slot = self._tier_of_slots(self.used, scores.device)
+        target = self._assign(scores, sizes, tier_of_slot)
         for tier in range(len(self.tiers) - 1, 0, -1):  # lowest first: sources are read before their slots are reused
             self._move_into(tier, target, tier_of_slot)
         self._pack_top(target)
@@ -153,7 +153,7 @@ class TieredStore(KVStore):
             tier[self.offset(t) : self.offset(t) + self.caps[t]] = t
         return tier[:used]
 
-    def _assign(self, scores: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    def _assign(self, scores: torch.Tensor, sizes: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
         """[B, Hkv, used]: each slot's tier after this eviction (T: evicted), best-ranked first, never up a tier."""
         used = scores.shape[2]
         valid = self.slots.valid[:, :, :used] & (scores > -torch.inf)
@@ -163,7 +163,6 @@ class TieredStore(KVStore):
         by_score = torch.sort(scores.gather(2, by_recency), dim=2, descending=True, stable=True).indices
         order = by_recency.gather(2, by_score)
         rank = torch.empty_like(order).scatter_(2, order, torch.arange(used, device=scores.device).expand_as(order))
-        current = self._tier_of_slots(used, scores.device)
         tiers = len(self.tiers)
         target = torch.full_like(rank, tiers)
         for tier in range(tiers):
@@ -281,4 +280,4 @@ def check_head_dim(head_dim: int, tiers: tuple[Tier, ...], layer: int) -> None:
                                 f"{head_dim})")
 
 
-__all__ = ["TieredStore", "TierSizing", "POSITION_DTYPE", "check_head_dim", "resize_slots"]
+__all__ = ["TieredStore", "TierSizing", "POSITION_DTYPE", "check_head_dim"]
