@@ -70,9 +70,11 @@ def resize_slots(tensor: torch.Tensor, capacity: int, used: int, fill: float | i
     return fresh
 
 
+def along_slots(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """``index`` [B, Hkv, m] expanded over the trailing dims of ``tensor`` [B, Hkv, slots, ...] (for gather/scatter)."""
+    return index.reshape(*index.shape, *([1] * (tensor.dim() - 3))).expand(*index.shape, *tensor.shape[3:])
+
+
 def move_slots(tensor: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """tensor[b, h, dst] = tensor[b, h, src] along dim 2 (src/dst: [B, Hkv, m]); every source is read first."""
-    index_shape = (*src.shape, *tensor.shape[3:])
-    src_index = src.reshape(*src.shape, *([1] * (tensor.dim() - 3))).expand(index_shape)
-    dst_index = dst.reshape(*dst.shape, *([1] * (tensor.dim() - 3))).expand(index_shape)
-    return tensor.scatter_(2, dst_index, tensor.gather(2, src_index))
+    return tensor.scatter_(2, along_slots(dst, tensor), tensor.gather(2, along_slots(src, tensor)))

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from .base import storage_bytes
-from .slots import resize_slots
+from .slots import along_slots, resize_slots
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,6 @@ class TierFormat(Protocol):
 def float16_for(compute_dtype: torch.dtype) -> torch.dtype:
     """The 16-bit float a tier stores: bfloat16 for a bfloat16 model, else float16 (more mantissa, enough range for K/V)."""
     return torch.bfloat16 if compute_dtype == torch.bfloat16 else torch.float16
-
-
-def along_slots(index: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """``index`` [B, Hkv, m] expanded over the trailing dims of ``tensor`` [B, Hkv, slots, ...] (for gather/scatter)."""
-    return index.reshape(*index.shape, *([1] * (tensor.dim() - 3))).expand(*index.shape, *tensor.shape[3:])
 
 
 def scatter_present(tensor: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, present: torch.Tensor) -> None:
