@@ -155,7 +155,7 @@ def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decod
                 continue
             theirs = getattr(ref, name)
             assert mine.dtype == torch.float32 and mine.shape == theirs.shape, (mode, name)
-            if name == "below_uniform" and ON_GPU:
+            if name == "below_uniform" and (ON_GPU or mode == "prefill_sdpa"):
                 assert_counts_close(mine, theirs, case, mode)
                 continue
             torch.testing.assert_close(
@@ -164,7 +164,8 @@ def check(case, needs=ALL_STATS, last_rows=3, sliding_window=None, modes=("decod
 
 
 def assert_counts_close(mine, theirs, case, mode):
-    """below_uniform on a GPU: a probability within rounding of 1/n may fall on either side of it.
+    """below_uniform on a GPU, or rebuilt from SDPA's log-sum-exp: a probability within rounding of 1/n may fall
+    on either side of it (SDPA's own exp/sum order differs from the reference's in the last bits).
 
     Such a flip moves one (query, query head) count by 1/G; allow it on at most 5% of the tokens."""
     groups = case["query"].shape[1] // case["keys"].shape[1]
