@@ -159,7 +159,36 @@ def test_the_command_line_runs_a_local_task_offline(tiny, tasks, tmp_path):
         capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "kvp_local_mc" in done.stdout and "acc" in done.stdout
-    bad = subprocess.run([sys.executable, "-m", "kvpolicy.lmeval", "run", "--model", "kvpolicy", "--model_args",
-                          f"pretrained={folder},recipe=h2oo", "--tasks", "kvp_local_mc", "--include_path", tasks],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("kvpolicy: error:"), bad.stderr[-2000:]
+
+
+def test_the_command_line_names_a_bad_recipe_in_one_line(tiny, tasks, capsys, monkeypatch):
+    """The same entry point in this process (lm-eval's import is the slow part of a subprocess)."""
+    from kvpolicy.lmeval.__main__ import main
+
+    folder, _ = tiny
+    monkeypatch.setattr(sys, "argv", ["kvpolicy.lmeval"])
+    status = main(["run", "--model", "kvpolicy", "--model_args", f"pretrained={folder},recipe=h2oo",
+                   "--tasks", "kvp_local_mc", "--include_path", tasks])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last.startswith("kvpolicy: error:") and "h2oo" in last, last
+
+
+def test_the_next_sentence_task_is_real_text_reproducible_and_answerable(tmp_path):
+    """kvp_next_sentence: the true continuation is among four distinct choices, the same for the same seed."""
+    from pydoc_data.topics import topics
+
+    from kvpolicy.lmeval.local_task import documents, main, sentences
+
+    text = "\n\n".join(topics[key] for key in sorted(topics))
+    pool = sentences(text)
+    docs = documents(text, 12, 300, seed=3)
+    assert docs == documents(text, 12, 300, seed=3) and docs != documents(text, 12, 300, seed=4)
+    for doc in docs:
+        truth = doc["choices"][doc["answer"]].strip()
+        assert len(set(doc["choices"])) == 4 and 250 <= len(doc["passage"].split()) <= 400
+        # the true choice is the sentence that follows the passage in the text
+        assert any(pool[i] == truth and doc["passage"].endswith(pool[i - 1]) for i in range(1, len(pool)))
+    assert main(["--out", str(tmp_path), "--docs", "5"]) == 0
+    config = (tmp_path / "kvp_next_sentence.yaml").read_text()
+    assert "output_type: multiple_choice" in config and str(tmp_path / "kvp_next_sentence.jsonl") in config
+    assert len((tmp_path / "kvp_next_sentence.jsonl").read_text().splitlines()) == 5

@@ -109,24 +109,24 @@ def test_fastgen_generates_with_head_patterns_and_memory_freed(smollm2, recipe):
 
 
 def test_streaming_perplexity_bounded_cache_is_close_to_full(smollm2):
-    """Token by token over 300 tokens: H2O at 50% stays near full; the cache never grows past the budget."""
+    """Token by token over 300 tokens: H2O at 50% stays near plain transformers (one forward pass over the
+    whole text, which a full cache fed token by token equals); the cache never grows past the budget."""
     model, tokenizer = smollm2
     ids = tokenizer(topics["assert"], return_tensors="pt")["input_ids"][:, :300]
-    nll = {}
-    for name in ("full", "h2o"):
-        recipe = kvpolicy.with_budget(kvpolicy.load_recipe(name), kvpolicy.Budget(tokens=150))
-        session = kvpolicy.attach(model, recipe)
-        cache = session.new_cache()
-        losses = []
-        with torch.inference_mode():
-            for t in range(ids.shape[1] - 1):
-                logits = model(input_ids=ids[:, t : t + 1], cache=cache).logits[0, -1]
-                losses.append(torch.nn.functional.cross_entropy(logits[None], ids[0, t + 1 : t + 2]))
-        session.detach()
-        nll[name] = torch.stack(losses).mean().item()
-        if name == "h2o":
-            assert cache.memory_report().layers[0]["tokens_max"] == 150
-    assert math.exp(nll["h2o"]) < 1.25 * math.exp(nll["full"])
+    recipe = kvpolicy.with_budget(kvpolicy.load_recipe("h2o"), kvpolicy.Budget(tokens=150))
+    session = kvpolicy.attach(model, recipe)
+    cache = session.new_cache()
+    losses = []
+    with torch.inference_mode():
+        for t in range(ids.shape[1] - 1):
+            logits = model(input_ids=ids[:, t : t + 1], cache=cache).logits[0, -1]
+            losses.append(torch.nn.functional.cross_entropy(logits[None], ids[0, t + 1 : t + 2]))
+    session.detach()
+    assert cache.memory_report().layers[0]["tokens_max"] == 150
+    with torch.inference_mode():
+        full = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    h2o = torch.stack(losses).mean()
+    assert float(h2o) != float(full) and math.exp(h2o) < 1.25 * math.exp(full)
 
 
 def kvpolicy_cli(*args: str) -> subprocess.CompletedProcess:
