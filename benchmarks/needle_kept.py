@@ -15,26 +15,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
 import kvpolicy
-from kvpolicy.commands.common import parse_budget
+from kvpolicy.commands.common import parse_budget, read_text
 from kvpolicy.hf.session import attach
 from kvpolicy.recipe import load_recipe, with_budget
 from kvpolicy.tasks.ruler import GENERATORS
 from kvpolicy.tasks.ruler.haystack import TextHaystack
 from kvpolicy.tasks.ruler.prompt import Sample
 from kvpolicy.tasks.ruler.scoring import match_share
-
-
-def corpus(text_file: str | None) -> str:
-    if text_file:
-        return Path(text_file).read_text(encoding="utf-8")
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
 
 
 @torch.inference_mode()
@@ -76,7 +67,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = kvpolicy.load_model(args.model)
-    haystack = TextHaystack(corpus(args.text_file))
+    haystack = TextHaystack(read_text(args.text_file)[0])
     generator = GENERATORS[args.task][0]
     samples = [generator.sample(args.task, tokenizer, haystack, args.prompt_tokens, index, args.samples, 0)
                for index in range(args.samples)]
