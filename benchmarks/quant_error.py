@@ -52,6 +52,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import kvpolicy
 from kvpolicy.hf.session import cache_keyword
+from kvpolicy.storage.key_codecs import BlockKeys
 from kvpolicy.storage.quant import ChannelRange, dequantize_per_token, quantize_per_token
 
 CAPTURE_NAME = "kvpolicy_quant_capture"
@@ -139,6 +140,22 @@ def keys_per_channel_streamed(keys: torch.Tensor, bits: int, first: int = 64, st
     return keys_range.decode(codes)
 
 
+def keys_in_blocks_streamed(keys: torch.Tensor, bits: int, step: int = 8, shuffle: bool = False) -> torch.Tensor:
+    """kvpolicy's default (`key_codecs.BlockKeys`): per channel over blocks of 32 slots, the tokens written ``step``
+    at a time as they move down into a tier; ``shuffle``: in a random order (eviction picks them from anywhere)."""
+    tokens = keys.shape[-2]
+    order = torch.randperm(tokens, generator=torch.Generator().manual_seed(0)) if shuffle else torch.arange(tokens)
+    codec = BlockKeys(bits, 32, *keys.shape[:2], keys.shape[-1], keys.device)
+    codec.resize(tokens, 0)
+    for start in range(0, tokens, step):
+        count = min(step, tokens - start)
+        slots = torch.arange(start, start + count).expand(*keys.shape[:2], count)
+        kept = (torch.arange(tokens) < start).expand(*keys.shape[:2], tokens)
+        present = torch.ones(*keys.shape[:2], count, dtype=torch.bool)
+        codec.write(slots, keys[..., order[start : start + count], :], present, kept)
+    return codec.read_all(tokens, torch.float32)[..., order.argsort(), :]
+
+
 def keys_kivi(keys: torch.Tensor, bits: int, tokens: int = 32) -> torch.Tensor:
     """KIVI's keys: per channel over groups of ``tokens`` consecutive tokens (per token of the transpose)."""
     transposed = keys.transpose(-1, -2)
@@ -153,9 +170,11 @@ def per_token(group: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
 
 
 KEY_SCHEMES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    "K per channel, cell (ours)": keys_per_channel,
-    "K per channel, cell, streamed (ours)": keys_per_channel_streamed,
+    "K per channel, 32-slot blocks (ours)": keys_in_blocks_streamed,
+    "K ... blocks, tokens in random order": lambda keys, bits: keys_in_blocks_streamed(keys, bits, shuffle=True),
     "K per channel, 32 tokens (KIVI)": keys_kivi,
+    "K per channel, cell": keys_per_channel,
+    "K per channel, cell, streamed": keys_per_channel_streamed,
     "K per token, group 32": per_token(32),
 }
 VALUE_SCHEMES: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
@@ -182,7 +201,8 @@ def table(layers: list[Captured], bits_list: Sequence[int] = (2, 4, 8)) -> str:
     rows = [head, "-" * len(head)]
     named = [(name, scheme, None) for name, scheme in KEY_SCHEMES.items()]
     named += [(name, None, scheme) for name, scheme in VALUE_SCHEMES.items()]
-    named.append(("K streamed (ours) + V group 32", keys_per_channel_streamed, per_token(32)))
+    named.append(("K blocks (ours) + V group 32", keys_in_blocks_streamed, per_token(32)))
+    named.append(("K cell, streamed + V group 32", keys_per_channel_streamed, per_token(32)))
     for name, key_scheme, value_scheme in named:
         cells = ""
         for bits in bits_list:

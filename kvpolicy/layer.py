@@ -68,6 +68,7 @@ class PolicyLayer(StaticDecode):
             raise KVPolicyError("in-cache positions need the model's RoPE inverse frequencies (inv_freq)")
         self.inv_freq = inv_freq
         self.budgets = CellBudgets(row_plans, groups, prompt_tokens)
+        self.kernel_reads_tiers = False  # set when a tiered store is made (`_initialize`)
         if self.budgets.tiers:
             refused = [(p.name, why) for p in policies for flag, why in (
                 (p.allocates, "splits budgets among its heads"), (p.dynamic_budget, "sets its own budgets"),
@@ -119,7 +120,7 @@ class PolicyLayer(StaticDecode):
             self._append_token_ids(start, count)
         self.slots_seen += count
         self.pending = (start, count)
-        return self.store.attention_kv()
+        return self.store.placeholder_kv() if self.kernel_reads_tiers else self.store.attention_kv()
 
     def _initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         batch, heads, device = keys.shape[0], keys.shape[1], keys.device
@@ -134,6 +135,8 @@ class PolicyLayer(StaticDecode):
         if tiers:
             self.store = TieredStore(keys, values, token_state, self.budgets, self.layer_idx, tiers)
             self.budgets.tier_costs = self.store.costs(self.cell_state)
+            # the Triton kernels read the codes in place; the torch path decodes the layer (workspace)
+            self.kernel_reads_tiers = self.backend == "triton"
         else:
             self.store = DenseStore(keys, values, token_state, self.budgets)
         self.tokens_seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
@@ -170,7 +173,7 @@ class PolicyLayer(StaticDecode):
         self.tokens_seen = self.tokens_seen + (count if query_valid is None else query_valid.sum(dim=1))
         if self.budgets.limits is None:
             self.budgets.resolve(self.tokens_seen, count)
-        keys, values = self.store.attention_kv()
+        keys, values = self.store.placeholder_kv() if self.kernel_reads_tiers else self.store.attention_kv()
         used = keys.shape[2]
         valid, key_positions = self.valid[:, :, :used], self.positions[:, :, :used]
         query_rotation = None
@@ -190,6 +193,8 @@ class PolicyLayer(StaticDecode):
             last_rows_window=self.last_rows_window, sliding_window=sliding_window, backend=self.backend,
             causal_only=query_valid is None and sliding_window is None and self.store.past_packed,
             near_band=near_band, query_rotation=query_rotation,
+            regions=self.store.kernel_regions() if self.kernel_reads_tiers else None,
+            decode_kv=self.store.attention_kv if self.kernel_reads_tiers else None,
         )
 
     def end_call(self, stats: AttentionStats | None) -> None:

@@ -16,8 +16,9 @@ MAX_TOKENS = 2**31 - 1
 
 #: Bit widths a precision tier may store: 16-bit floats, or integer codes of 8, 4 or 2 bits.
 TIER_BITS = (16, 8, 4, 2)
-#: How a quantized tier scales its keys: per channel (one range per cell) or per token (like values).
-KEY_AXES = ("channel", "token")
+#: How a quantized tier scales its keys (`kvpolicy.storage.key_codecs`): per channel over blocks of 32 slots (KIVI),
+#: per channel with one range per cell, or per token (like values).
+KEY_AXES = ("channel", "cell", "token")
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,8 @@ class Tier:
     A tier takes ``share`` of the budget (of its bytes under a ``memory`` budget, of its tokens
     otherwise) or a fixed number of ``tokens``; the last tier takes what is left. ``group``:
     channels that share one scale and zero point in a quantized tier's values (and keys quantized
-    per token). ``keys``: "channel" (one range per channel and (row, KV head), KIVI's and KVQuant's
-    axis) or "token" (scales per token and group, like values).
+    per token). ``keys``: "channel" (a range per channel over each block of 32 slots, KIVI's axis),
+    "cell" (one range per channel and (row, KV head)) or "token" (scales per token and group, like values).
     """
 
     bits: int
@@ -39,7 +40,7 @@ class Tier:
 
     def describe(self) -> str:
         size = f" {self.share:g}" if self.share is not None else f" {self.tokens} tokens" if self.tokens else " rest"
-        return f"{self.bits}-bit{size}" + (" (keys per token)" if self.bits < 16 and self.keys == "token" else "")
+        return f"{self.bits}-bit{size}" + (f" (keys per {self.keys})" if self.bits < 16 and self.keys != "channel" else "")
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,10 @@ TIER = (
     Key("group", "power of two >= 8 dividing the head size", 32, "channels that share one scale and zero point in "
         "this tier's quantized values, and keys quantized per token (KIVI and KVQuant: 32 to 128); a group wider than the "
         "head is the whole head"),
-    Key("keys", "channel or token", "channel", "how this tier's keys are scaled: `channel`, one range per channel "
-        "and (row, KV head) that widens as tokens arrive (KIVI, KVQuant: outlier channels get their own scale); "
-        "`token`, a scale per token and group, like values (8 bytes more a token at head size 64)"),
+    Key("keys", "channel, cell or token", "channel", "how this tier's keys are scaled: `channel`, a range per channel "
+        "over each block of 32 slots of the tier (KIVI: outlier channels get their own scale; 8 bytes a token at head "
+        "size 64); `cell`, one range per channel and (row, KV head) that widens as tokens arrive (no per-token bytes, "
+        "wider steps); `token`, a scale per token and group, like values (8 bytes a token per 32 channels)"),
 )
 TOP_KEYS = tuple(key.name for key in TOP_LEVEL)
 TIER_KEYS = tuple(key.name for key in TIER)

@@ -79,8 +79,8 @@ def test_bad_arguments_name_themselves_and_the_fix():
         unpack(torch.zeros(3, dtype=torch.uint8), 4, 8)
     with pytest.raises(KVPolicyError, match="group=48 does not divide head_dim=64"):
         quantize_per_token(torch.zeros(2, 64), 4, 48)
-    with pytest.raises(KVPolicyError, match="margin=1.0 must be above 1"):
-        ChannelRange.empty((2,), 64, 4, margin=1.0)
+    with pytest.raises(KVPolicyError, match="margin=0.9 must be at least 1"):
+        ChannelRange.empty((2,), 64, 4, margin=0.9)
     keys_range = ChannelRange.fit(torch.zeros(2, 3, 5, 64), 4)
     with pytest.raises(KVPolicyError, match=r"keys \[2, 5, 64\] do not match the range's cells \[2, 3\]"):
         keys_range.encode(torch.zeros(2, 5, 64))

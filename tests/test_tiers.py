@@ -125,10 +125,11 @@ def layer_tiers_of_positions(layer) -> dict[tuple[int, int, int], int]:
     return out
 
 
-def test_byte_budget_held_after_every_pass_and_tokens_only_move_down(tmp_path):
+@pytest.mark.parametrize("keys", ["channel", "cell", "token"])
+def test_byte_budget_held_after_every_pass_and_tokens_only_move_down(tmp_path, keys):
     model = tiny_model("llama")
     spec = recipe(tmp_path, "policy: h2o\nbudget: {memory: 0.3, slack: 2, tiers: [{bits: 16, share: 0.4}, "
-                            "{bits: 8, share: 0.3}, {bits: 2}]}")
+                            f"{{bits: 8, share: 0.3, keys: {keys}}}, {{bits: 2, keys: {keys}}}]}}")
     session = attach(model, spec)
     prompt, batch = 48, 2
     head_dim = model.config.hidden_size // model.config.num_attention_heads

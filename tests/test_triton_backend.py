@@ -413,6 +413,54 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
 
 
+@in_process
+@pytest.mark.skipif(ON_GPU, reason="compares with the CPU's torch run")
+def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_in_place(monkeypatch, tmp_path):
+    """A byte budget over 16/8/2-bit tiers: the Triton run's decode steps read the codes in place and keep what the
+    torch run keeps, with the same tokens."""
+    from helpers import StepRecorder, greedy
+    from tiny_models import padded_batch, tiny_model
+
+    from kvpolicy.backend import triton_tiered
+    from kvpolicy.hf.session import attach
+    from kvpolicy.recipe import load_recipe
+
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(44, 40))
+    path = tmp_path / "tiered.yaml"
+    path.write_text("kvpolicy: 1\npolicy: h2o\nbudget: {memory: 0.6, slack: 2, tiers: [{bits: 16, share: 0.4}, "
+                    "{bits: 8, share: 0.3}, {bits: 2}]}\n")
+    steps = 5
+    layers = range(model.config.num_hidden_layers)
+
+    def run():
+        session = attach(model, load_recipe(str(path)))
+        recorder = StepRecorder(lambda: {i: session.last_cache.kept_positions(i) for i in layers})
+        try:
+            tokens, logits = greedy(session.model, ids, mask, steps, recorder=recorder, cache=session.new_cache())
+        finally:
+            session.detach()
+        return tokens, logits, recorder.steps
+
+    monkeypatch.setenv("KVPOLICY_BACKEND", "torch")
+    ref_tokens, ref_logits, ref_kept = run()
+    calls = []
+    real = triton_tiered.attend_tiered_decode
+
+    def counting(query, regions, *args, **kwargs):
+        calls.append([region.bits for region in regions if region.count])
+        return real(query, regions, *args, **kwargs)
+
+    monkeypatch.setattr(triton_tiered, "attend_tiered_decode", counting)
+    monkeypatch.setenv("KVPOLICY_BACKEND", "triton")
+    tokens, logits, kept = run()
+    assert len(calls) == len(layers) * (steps - 1)  # every decode step of every layer; the prompt decodes the layer
+    assert any(2 in bits and 8 in bits for bits in calls)  # codes of both quantized tiers were read in place
+    assert kept == ref_kept
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
 # --- backend selection -----------------------------------------------------------------------------
 def test_select_backend(monkeypatch):
     monkeypatch.delenv("KVPOLICY_BACKEND", raising=False)
@@ -444,6 +492,72 @@ def test_select_backend_environment_overrides_the_recipe(monkeypatch):
             select_backend("torch", torch.device("cpu"))
     monkeypatch.setenv("KVPOLICY_BACKEND", "")
     assert select_backend("torch", torch.device("cpu")) == "torch"
+
+
+# --- tiered layers: codes de-quantized in registers (`triton_tiered`) ------------------------------
+THREE_TIERS = "[{{bits: 16, share: 0.4}}, {{bits: 8, share: 0.3, keys: {keys}}}, {{bits: 2, keys: {keys}}}]"
+TWO_TIERS = "[{{bits: 16, share: 0.5}}, {{bits: 4, keys: {keys}, group: 16}}]"
+
+
+def tiered_layer(tmp_path, keys: str, tiers: str, seed: int = 0):
+    """A layer of a tiny Llama after a prompt and decoding under an H2O byte budget with ``tiers`` (evictions, tokens
+    moved down, holes in the quantized regions), on the CPU."""
+    import textwrap
+
+    from tiny_models import VOCAB, tiny_model
+
+    from kvpolicy.hf.session import attach
+    from kvpolicy.recipe import load_recipe
+
+    model = tiny_model("llama", seed=seed)
+    path = tmp_path / "tiered.yaml"
+    path.write_text("kvpolicy: 1\n" + textwrap.dedent(f"""\
+        policy: h2o
+        budget: {{memory: 0.5, slack: 3, tiers: {tiers.format(keys=keys)}}}
+        """))
+    session = attach(model, load_recipe(str(path)))
+    ids = torch.randint(1, VOCAB, (2, 70), generator=torch.Generator().manual_seed(seed))
+    cache = session.new_cache(prompt_tokens=40)
+    with torch.inference_mode():
+        model(input_ids=ids[:, :40], cache=cache, use_cache=True)
+        for index in range(40, 70):
+            model(input_ids=ids[:, index : index + 1], cache=cache, use_cache=True)
+    return cache.layers[1]
+
+
+@in_process
+@pytest.mark.skipif(ON_GPU, reason="builds its layer on the CPU")
+@pytest.mark.parametrize("keys, tiers", [
+    ("channel", THREE_TIERS), ("cell", TWO_TIERS), ("token", THREE_TIERS), ("channel", TWO_TIERS)])
+def test_tiered_decode_reads_codes_in_place_and_equals_the_reference(tmp_path, keys, tiers):
+    """The kernel over the tiers' codes gives the torch reference's output and statistics on the decoded layer."""
+    from kvpolicy.backend.triton_tiered import attend_tiered_decode
+
+    layer = tiered_layer(tmp_path, keys, tiers)
+    store = layer.store
+    regions = store.kernel_regions()
+    assert [r.bits for r in regions] == [t.bits for t in reversed(store.tiers)]
+    assert sum(r.count for r in regions[:-1]) > 0, "nothing was quantized: the case tests nothing"
+    keys_now, values_now = store.attention_kv()
+    used = keys_now.shape[2]
+    positions = layer.positions[:, :, :used].long()
+    # holes, as a quantized region keeps between moves (this layer's tiers happen to be full)
+    valid = layer.valid[:, :, :used] & (torch.rand(layer.valid[:, :, :used].shape, generator=torch.Generator().manual_seed(1)) > 0.2)
+    batch, kv_heads, _, dim = keys_now.shape
+    for groups, queries in ((3, 1), (3, 2)):
+        gen = torch.Generator().manual_seed(groups * 10 + queries)
+        query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen)
+        query_positions = int(positions.max()) + 1 + torch.arange(queries).expand(batch, queries)
+        case = dict(query=query, keys=keys_now.float(), values=values_now.float(), valid=valid,
+                    key_positions=positions, query_positions=query_positions, query_valid=None,
+                    past_slots=used - queries)
+        ref_out, ref_stats = reference(case, ALL_STATS, last_rows=queries)
+        out, stats = attend_tiered_decode(query, regions, valid, positions, query_positions, dim**-0.5, ALL_STATS,
+                                          None, used - queries, last_rows=queries)
+        torch.testing.assert_close(out, ref_out, **OUT_TOL[torch.float32])
+        for name in ("colsum", "colsum_sq", "last_rows"):
+            torch.testing.assert_close(getattr(stats, name), getattr(ref_stats, name), **STAT_TOL)
+        assert_counts_close(stats.below_uniform, ref_stats.below_uniform, case, "decode")
 
 
 # --- the GPU benchmark's logic, at toy sizes --------------------------------------------------------

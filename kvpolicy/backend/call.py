@@ -7,12 +7,14 @@ nothing else of the layer, and every backend's ``attend(query, call)`` takes the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..policies.base import AttentionStats
 from ..rotary import rotate
+from .regions import KVRegion
 
 
 @dataclass
@@ -34,6 +36,18 @@ class AttentionCall:
     near_band: torch.Tensor | None = None  # [B, Hkv]: the local band of `near_colsum_heads`
     #: in-cache positions (StreamingLLM): (query deltas [B, Hkv, q], RoPE inverse frequencies); keys come rotated
     query_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: a tiered layer on the Triton backend: its slots as a kernel reads them in place (`regions`); ``keys`` and
+    #: ``values`` are then zero-stride placeholders of the right shape, and `decoded` builds the real ones for the
+    #: paths that need them (prefill, plain attention)
+    regions: list[KVRegion] | None = None
+    decode_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def decoded(self) -> AttentionCall:
+        """This call with its keys and values decoded to the compute dtype (a transient copy: workspace)."""
+        if self.decode_kv is None:
+            return self
+        keys, values = self.decode_kv()
+        return replace(self, keys=keys, values=values, regions=None, decode_kv=None)
 
     def key_mask(self, lo: int, hi: int, width: int) -> torch.Tensor:
         """Which of the first ``width`` slots queries lo..hi-1 may attend: [B, Hkv, hi-lo, width] bool."""

@@ -469,8 +469,21 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     """One layer's attention call, as `torch_ref.attend`: the kernels when statistics are asked for.
 
     Calls without statistics run SDPA (the fastest exact kernel there is), and the profiling
-    statistics, which have no kernel, run on the torch reference on the same device.
+    statistics, which have no kernel, run on the torch reference on the same device. A tiered
+    layer's decode step (``call.regions``) reads its codes in place (`triton_tiered`); its other calls
+    decode the layer first.
     """
+    if call.regions is not None:
+        groups = query.shape[1] // call.valid.shape[1]
+        if call.needs and not call.needs & TORCH_ONLY_STATS and groups * query.shape[2] <= DECODE_MAX_ROWS:
+            from .triton_tiered import attend_tiered_decode
+
+            out, stats = attend_tiered_decode(
+                query, call.regions, call.valid, call.key_positions, call.query_positions, call.scaling, call.needs,
+                call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
+            )
+            return AttentionResult(out, stats)
+        call = call.decoded()
     if not call.needs or call.needs & TORCH_ONLY_STATS:
         return torch_ref.attend(query, call)
     query = call.prepare_query(query)

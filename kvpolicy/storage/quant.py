@@ -228,8 +228,9 @@ class ChannelRange:
         """Cells ``leading`` (e.g. (batch, kv_heads)) with no key yet: the first `widen` fits each exactly."""
         check_bits(bits)
         _check_packable(head_dim, bits, "head_dim")
-        if not margin > 1:
-            raise KVPolicyError(f"margin={margin!r} must be above 1 (the widened span over the needed one), e.g. 1.25")
+        if not margin >= 1:
+            raise KVPolicyError(f"margin={margin!r} must be at least 1 (the widened span over the needed one; 1: "
+                                "exactly the span needed), e.g. 1.25")
         zeros = torch.zeros((*leading, 1, head_dim), dtype=torch.float16, device=device)
         return cls(zeros, zeros.clone(), bits, margin)
 
@@ -254,9 +255,11 @@ class ChannelRange:
         """float32 [..., 1, D]: the largest error of a key encoded on this grid, half a step."""
         return self.scale.float() / 2
 
-    def accumulated_bound(self) -> torch.Tensor:
-        """float32 [..., 1, D]: the largest error of a key encoded on any earlier grid of this range."""
-        return self.bound() * self.margin / (self.margin - 1)
+    def accumulated_bound(self, encodings: int | None = None) -> torch.Tensor:
+        """float32 [..., 1, D]: the largest error of a key encoded on any earlier grid of this range, or re-encoded
+        at most ``encodings`` times in all (the bound for margin 1, where each widening may be tiny)."""
+        times = self.margin / (self.margin - 1) if self.margin > 1 else float("inf")
+        return self.bound() * min(times, float("inf") if encodings is None else encodings)
 
     def _check(self, keys: torch.Tensor, name: str) -> None:
         if keys.shape[:-2] != self.scale.shape[:-2] or keys.shape[-1] != self.head_dim:

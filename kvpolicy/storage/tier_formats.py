@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from ..backend.regions import KVRegion
 from .base import storage_bytes
 from .slots import along_slots, resize_slots
 
@@ -38,13 +39,18 @@ class TierFormat(Protocol):
 
     def write_range(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None: ...
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, present: torch.Tensor) -> None: ...
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, present: torch.Tensor,
+              kept: torch.Tensor) -> None: ...
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def read_all(self, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def gather_into_front(self, order: torch.Tensor, width: int) -> None: ...
+
+    def kernel_region(self, start: int, count: int) -> KVRegion:
+        """How a kernel reads this tier's first ``count`` slots, which are the layer's slots from ``start``."""
+        ...
 
     def nbytes(self) -> int: ...
 
@@ -84,7 +90,8 @@ class FloatTier:
         self.keys[:, :, start : start + keys.shape[2]] = keys
         self.values[:, :, start : start + values.shape[2]] = values
 
-    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, present: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, present: torch.Tensor,
+              kept: torch.Tensor) -> None:
         scatter_present(self.keys, slots, keys, present)
         scatter_present(self.values, slots, values, present)
 
@@ -99,6 +106,9 @@ class FloatTier:
         index = along_slots(order, self.keys)
         self.keys[:, :, :width] = self.keys.gather(2, index)
         self.values[:, :, :width] = self.values.gather(2, index)
+
+    def kernel_region(self, start: int, count: int) -> KVRegion:
+        return KVRegion(start, count, 16, self.keys, self.values)
 
     def nbytes(self) -> int:
         return storage_bytes(self.keys) + storage_bytes(self.values)

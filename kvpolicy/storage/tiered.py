@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend.regions import KVRegion
 from ..errors import KVPolicyError
 from ..plan import Tier
 from .base import KVStore, headroom, storage_bytes
@@ -106,6 +107,23 @@ class TieredStore(KVStore):
             self.workspace_bytes = max(self.workspace_bytes, storage_bytes(keys) + storage_bytes(values))
         return self._view
 
+    def placeholder_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-stride K/V [B, Hkv, used, D] for a kernel that reads the tiers in place (`kernel_regions`): shapes and
+        dtype only, no bytes."""
+        batch, heads = self.slots.valid.shape[:2]
+        dim = self.tiers[0].keys.shape[-1]
+        empty = torch.zeros((), dtype=self.compute_dtype, device=self.slots.valid.device).expand(batch, heads, self.used, dim)
+        return empty, empty
+
+    def kernel_regions(self) -> list[KVRegion]:
+        """The layer's slots [0, used) as a kernel reads them in place: one region per tier, lowest first."""
+        regions = []
+        for tier in range(len(self.tiers) - 1, -1, -1):
+            start = self.offset(tier)
+            count = max(0, min(self.caps[tier], self.used - start))
+            regions.append(self.tiers[tier].kernel_region(start, count))
+        return regions
+
     def end_pass(self) -> None:
         self._view = None
 
@@ -186,7 +204,7 @@ class TieredStore(KVStore):
             free = torch.sort(staying.to(torch.int8), dim=2, stable=True).indices[..., :moves]
             present = torch.arange(moves, device=target.device) < movers.sum(dim=2, keepdim=True)
             keys, values = self._read(src, tier_of_slot)
-            self.tiers[tier].write(free, keys, values, present)
+            self.tiers[tier].write(free, keys, values, present, staying)
             dst = free + start
             self.slots.positions.scatter_(2, torch.where(present, dst, src), self.slots.positions.gather(2, src))
             for tensor in self.slots.token_state.values():
