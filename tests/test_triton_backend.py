@@ -414,7 +414,6 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
 
 
 @in_process
-@pytest.mark.skipif(ON_GPU, reason="compares with the CPU's torch run")
 def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_in_place(monkeypatch, tmp_path):
     """A byte budget over 16/8/2-bit tiers: the Triton run's decode steps read the codes in place and keep what the
     torch run keeps, with the same tokens."""
@@ -425,8 +424,8 @@ def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_
     from kvpolicy.hf.session import attach
     from kvpolicy.recipe import load_recipe
 
-    model = tiny_model("llama")
-    ids, mask = padded_batch(lengths=(44, 40))
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (tensor.to(DEVICE) for tensor in padded_batch(lengths=(44, 40)))
     path = tmp_path / "tiered.yaml"
     path.write_text("kvpolicy: 1\npolicy: h2o\nbudget: {memory: 0.6, slack: 2, tiers: [{bits: 16, share: 0.4}, "
                     "{bits: 8, share: 0.3}, {bits: 2}]}\n")
@@ -501,7 +500,7 @@ TWO_TIERS = "[{{bits: 16, share: 0.5}}, {{bits: 4, keys: {keys}, group: 16}}]"
 
 def tiered_layer(tmp_path, keys: str, tiers: str, seed: int = 0):
     """A layer of a tiny Llama after a prompt and decoding under an H2O byte budget with ``tiers`` (evictions, tokens
-    moved down, holes in the quantized regions), on the CPU."""
+    moved down a tier), built by the torch backend."""
     import textwrap
 
     from tiny_models import VOCAB, tiny_model
@@ -509,14 +508,14 @@ def tiered_layer(tmp_path, keys: str, tiers: str, seed: int = 0):
     from kvpolicy.hf.session import attach
     from kvpolicy.recipe import load_recipe
 
-    model = tiny_model("llama", seed=seed)
+    model = tiny_model("llama", seed=seed).to(DEVICE)
     path = tmp_path / "tiered.yaml"
     path.write_text("kvpolicy: 1\n" + textwrap.dedent(f"""\
         policy: h2o
         budget: {{memory: 0.5, slack: 3, tiers: {tiers.format(keys=keys)}}}
         """))
     session = attach(model, load_recipe(str(path)))
-    ids = torch.randint(1, VOCAB, (2, 70), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(1, VOCAB, (2, 70), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     cache = session.new_cache(prompt_tokens=40)
     with torch.inference_mode():
         model(input_ids=ids[:, :40], cache=cache, use_cache=True)
@@ -526,13 +525,13 @@ def tiered_layer(tmp_path, keys: str, tiers: str, seed: int = 0):
 
 
 @in_process
-@pytest.mark.skipif(ON_GPU, reason="builds its layer on the CPU")
 @pytest.mark.parametrize("keys, tiers", [
     ("channel", THREE_TIERS), ("cell", TWO_TIERS), ("token", THREE_TIERS), ("channel", TWO_TIERS)])
-def test_tiered_decode_reads_codes_in_place_and_equals_the_reference(tmp_path, keys, tiers):
+def test_tiered_decode_reads_codes_in_place_and_equals_the_reference(tmp_path, monkeypatch, keys, tiers):
     """The kernel over the tiers' codes gives the torch reference's output and statistics on the decoded layer."""
     from kvpolicy.backend.triton_tiered import attend_tiered_decode
 
+    monkeypatch.setenv("KVPOLICY_BACKEND", "torch")
     layer = tiered_layer(tmp_path, keys, tiers)
     store = layer.store
     regions = store.kernel_regions()
@@ -542,12 +541,13 @@ def test_tiered_decode_reads_codes_in_place_and_equals_the_reference(tmp_path, k
     used = keys_now.shape[2]
     positions = layer.positions[:, :, :used].long()
     # holes, as a quantized region keeps between moves (this layer's tiers happen to be full)
-    valid = layer.valid[:, :, :used] & (torch.rand(layer.valid[:, :, :used].shape, generator=torch.Generator().manual_seed(1)) > 0.2)
+    holes = torch.rand(layer.valid[:, :, :used].shape, generator=torch.Generator().manual_seed(1)) > 0.2
+    valid = layer.valid[:, :, :used] & holes.to(DEVICE)
     batch, kv_heads, _, dim = keys_now.shape
     for groups, queries in ((3, 1), (3, 2)):
         gen = torch.Generator().manual_seed(groups * 10 + queries)
-        query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen)
-        query_positions = int(positions.max()) + 1 + torch.arange(queries).expand(batch, queries)
+        query = torch.randn(batch, kv_heads * groups, queries, dim, generator=gen).to(DEVICE)
+        query_positions = int(positions.max()) + 1 + torch.arange(queries, device=DEVICE).expand(batch, queries)
         case = dict(query=query, keys=keys_now.float(), values=values_now.float(), valid=valid,
                     key_positions=positions, query_positions=query_positions, query_valid=None,
                     past_slots=used - queries)
