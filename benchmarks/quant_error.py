@@ -6,13 +6,14 @@ that records them), quantizes K or V alone with each scheme, and prints the rela
 of the difference over the norm, all layers and heads pooled) of that tensor and of the causal attention
 output softmax(q K^T * scaling) V with the real queries. Schemes:
 
-* keys per channel, one range per cell (`kvpolicy.storage.quant.ChannelRange`: survives compaction), fitted
-  on all the tokens at once, and "streamed": fitted on the first 64 tokens, then widened 8 tokens at a time
-  (re-encoding), as a store that quantizes a prompt and then demotes tokens during decoding would;
-* keys per channel over groups of 32 consecutive tokens (KIVI; does not survive compaction), for comparison;
+* keys per channel over blocks of 32 slots (`kvpolicy.storage.key_codecs.BlockKeys`, kvpolicy's default), written
+  8 at a time as tokens moving down a tier meet it, in order and in a random order (eviction picks them anywhere);
+* keys per channel over groups of 32 consecutive tokens fitted at once (KIVI; no eviction), for comparison;
+* keys per channel, one range per cell (`keys: cell`, `quant.ChannelRange`), fitted on all the tokens at once, and
+  "streamed": fitted on the first 64 tokens, then widened 8 tokens at a time (re-encoding);
 * keys per token, groups of 32 channels;
 * values per token, groups of 32 and 64 channels (`quantize_per_token`);
-* both: streamed per-channel keys with per-token values (group 32), as the test on the real model checks.
+* both: blocks (or streamed cell ranges) for keys with per-token values (group 32).
 
     OMP_NUM_THREADS=1 nice -n 19 python benchmarks/quant_error.py --tokens 512 --layers 0 7 15 23 29
 
@@ -20,24 +21,27 @@ Measured (this command, 2 CPU cores, CPU fp32 model), relative error in %:
 
     scheme                                    2-bit K/V  2-bit out  4-bit K/V  4-bit out  8-bit K/V  8-bit out
     ----------------------------------------------------------------------------------------------------------
-    K per channel, cell (ours)                    33.54      54.76       6.70      11.56       0.39       0.72
-    K per channel, cell, streamed (ours)          55.33      74.86      10.11      17.30       0.60       1.01
+    K per channel, 32-slot blocks (ours)          22.76      38.11       4.75       7.18       0.28       0.45
+    K ... blocks, tokens in random order          26.42      44.99       5.59       8.46       0.33       0.52
     K per channel, 32 tokens (KIVI)               19.84      33.22       3.95       6.29       0.23       0.35
+    K per channel, cell                           33.54      54.76       6.70      11.56       0.39       0.72
+    K per channel, cell, streamed                 55.33      74.86      10.11      17.30       0.60       1.01
     K per token, group 32                         49.69      75.24       9.72      12.78       0.57       0.74
     V per token, group 32                         40.01      30.56       7.97       5.95       0.47       0.35
     V per token, group 64                         46.37      36.26       9.25       7.07       0.54       0.42
-    K streamed (ours) + V group 32                           83.23                 18.32                  1.07
+    K blocks (ours) + V group 32                             50.85                  9.33                  0.57
+    K cell, streamed + V group 32                            83.23                 18.32                  1.07
 
-Bytes per token of a cell at 4 bits (head_dim 64): keys 32 (ours, + 256 per cell for the range), 40 (KIVI and
-per token: a float16 scale and zero per 32 channels or per channel and 32 tokens); values 40 (group 32), 36 (64).
+Bytes per token of a cell at 4 bits (head_dim 64): keys 40 (blocks, KIVI and per token: a float16 scale and zero
+per channel and 32 slots, or per 32 channels), 32 for one range per cell (+ 256 per cell); values 40 (group 32),
+36 (64).
 
-Reading: a range per cell costs about 1.7x KIVI's error on keys and 1.8x on the attention output when fitted
-on all 512 tokens at once, 2.6-2.8x when streamed. A range over 512 tokens is wider than over 32 (for
-Gaussian data alone the expected span is ~6.1 against ~4.1 standard deviations), and streaming ends ~1.3x
-wider still (the margins; final over fitted step, measured) and adds the re-encodings' rounding. Streamed, it is worse than keys per token (12.8%, which also survive
-compaction, for 8 more bytes a token at 4 bits). Un-rotating the keys first (pre-RoPE, as KVQuant does, with
-`kvpolicy.rotary.rotate`; not in this script) measured 10.1% / 15.0% (fitted / streamed, 4-bit output)
-instead of 11.6% / 17.3%.
+Reading: blocks of 32 slots come within 1.15x of KIVI's attention error at 4 bits when filled in order and 1.35x
+in a random order, against 2.75x for one range per cell widened as tokens arrive (a range over 512 tokens is
+wider than over 32: for Gaussian data alone the expected span is ~6.1 against ~4.1 standard deviations, and the
+margins and re-encodings add more). A block widens to exactly the span needed: with a 25% margin the same blocks
+measured 9.1% (in order) and 16.0% (random order). Un-rotating the keys first (pre-RoPE, as KVQuant does, with
+`kvpolicy.rotary.rotate`; not in this script) measured 10.1% / 15.0% for a cell's range (fitted / streamed).
 """
 
 from __future__ import annotations
