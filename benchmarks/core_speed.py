@@ -2,6 +2,7 @@
 
     python benchmarks/core_speed.py --contexts 512 2048 4096 --new-tokens 32 --repeats 3
     python benchmarks/core_speed.py --compile --contexts 512 2048 4096   # + both compiled decode steps
+    python benchmarks/core_speed.py --contexts 4096 --recipes h2o-mixed kivi --only h2o-mixed kivi
 
 Plain transformers is SDPA + DynamicCache. ``--compile`` adds plain transformers' compiled decode
 step (a StaticCache and ``torch.compile(fullgraph=True)`` of the model's forward, as
@@ -100,6 +101,11 @@ def main() -> None:
     parser.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead on CUDA")
     parser.add_argument("--device", type=parse_device, default="cpu")
     parser.add_argument("--dtype", type=parse_dtype, default="float32")
+    parser.add_argument("--recipes", nargs="+", default=[], metavar="RECIPE",
+                        help="more kvpolicy configurations, run eagerly as their recipes say (names or YAML paths), "
+                             "e.g. h2o-mixed kivi")
+    parser.add_argument("--only", nargs="+", metavar="CONFIG",
+                        help="run these configurations alone (plain is always run: the ratios are to it)")
     parser.add_argument("--text-file")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
@@ -117,6 +123,17 @@ def main() -> None:
         configs = ["plain", "plain-compiled", "full", "h2o", "h2o-compiled"]
         sessions["h2o-compiled"] = attach(model, recipes["h2o"]).compile(**options)
         plain_step = plain_compiled_step(model)
+    for spec in args.recipes:
+        recipe = load_recipe(spec)
+        if recipe.name in sessions or recipe.name.startswith("plain"):
+            raise SystemExit(f"--recipes {spec}: the name {recipe.name!r} is taken; give the recipe another name")
+        sessions[recipe.name] = attach(model, recipe)
+        configs.append(recipe.name)
+    if args.only:
+        unknown = sorted(set(args.only) - set(configs))
+        if unknown:
+            raise SystemExit(f"--only {' '.join(unknown)}: no such configuration; these run: {', '.join(configs)}")
+        configs = [name for name in configs if name == "plain" or name in args.only]
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={args.model} budget={args.budget} "
           f"device={args.device} dtype={args.dtype} batch={args.batch}" + (f" compile={options}" if args.compile else ""))
 

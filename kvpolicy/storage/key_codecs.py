@@ -151,15 +151,26 @@ class BlockKeys:
         empty = ~self._padded(kept, False).any(dim=3)[..., None, None]
         base = ChannelRange(self.range.scale.masked_fill(empty, 0), self.range.zero.masked_fill(empty, 0), self.bits,
                             self.range.margin)
-        # the new keys laid out slot for slot, so that each block's range widens over the keys landing in it
-        where = torch.zeros(self.codes.shape[:3], dtype=torch.bool, device=keys.device).scatter_(2, slots, present)
-        dense = keys.new_zeros((*self.codes.shape[:3], self.head_dim))
-        dense.scatter_(2, along_slots(slots, dense), torch.where(present[..., None], keys, 0))
-        dense_blocks, where_blocks = self._padded(dense, 0), self._padded(where, False)
-        self.range, codes = base.widen(dense_blocks, self._padded(self.codes, 0), valid=where_blocks)
-        fresh = self.range.encode(dense_blocks)
-        codes = torch.where(where_blocks[..., None], fresh, codes)
-        self.codes = codes.flatten(2, 3)[:, :, :capacity].contiguous()
+        # each block's lowest and highest new key per channel (the only keys its range must now cover): the work is
+        # per block and per mover, not per slot; only blocks that widen are re-encoded
+        block = slots // self.block
+        x = keys.float()
+        shape = (*base.scale.shape[:3], self.head_dim)
+        index = along_slots(block, x)
+        low = x.new_full(shape, torch.inf).scatter_reduce(2, index, x.masked_fill(~present[..., None], torch.inf), "amin")
+        high = x.new_full(shape, -torch.inf).scatter_reduce(2, index, x.masked_fill(~present[..., None], -torch.inf),
+                                                           "amax")
+        touched = (low <= high).any(dim=-1)
+        whole = capacity % self.block == 0
+        codes = self.codes.view(*shape[:3], self.block, -1) if whole else self._padded(self.codes, 0)
+        self.range, codes = base.widen(torch.stack([low, high], dim=3), codes,
+                                       valid=touched[..., None].expand(*touched.shape, 2))
+        if not whole:
+            self.codes = codes.flatten(2, 3)[:, :, :capacity].contiguous()
+        scale = self.range.scale.squeeze(3).gather(2, index)[..., None, :]  # each mover's block's grid
+        zero = self.range.zero.squeeze(3).gather(2, index)[..., None, :]
+        fresh = ChannelRange(scale, zero, self.bits).encode(keys[..., None, :]).squeeze(3)
+        _write_where(self.codes, slots, fresh, present)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = self.codes.gather(2, along_slots(slots, self.codes))
