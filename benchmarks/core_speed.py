@@ -111,29 +111,30 @@ def main() -> None:
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    model, tokenizer = kvpolicy.load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
-    all_ids = tokenizer(corpus(args.text_file), return_tensors="pt")["input_ids"].to(device)
     recipes = {"full": load_recipe("full"), "h2o": with_budget(load_recipe("h2o"), parse_budget(args.budget))}
-    sessions = {name: attach(model, recipe) for name, recipe in recipes.items()}
-    configs = ["plain", "full", "h2o"]
-    options = {"backend": args.compile_backend, **({"mode": args.compile_mode} if args.compile_mode else {})}
-    if args.compile:
-        configs = ["plain", "plain-compiled", "full", "h2o", "h2o-compiled"]
-        sessions["h2o-compiled"] = attach(model, recipes["h2o"]).compile(**options)
-        plain_step = plain_compiled_step(model)
+    configs = ["plain", "plain-compiled", "full", "h2o", "h2o-compiled"] if args.compile else ["plain", "full", "h2o"]
     for spec in args.recipes:
         recipe = load_recipe(spec)
-        if recipe.name in sessions or recipe.name.startswith("plain"):
+        if recipe.name in configs or recipe.name.startswith("plain"):
             raise SystemExit(f"--recipes {spec}: the name {recipe.name!r} is taken; give the recipe another name")
-        sessions[recipe.name] = attach(model, recipe)
+        recipes[recipe.name] = recipe
         configs.append(recipe.name)
     if args.only:
         unknown = sorted(set(args.only) - set(configs))
         if unknown:
             raise SystemExit(f"--only {' '.join(unknown)}: no such configuration; these run: {', '.join(configs)}")
         configs = [name for name in configs if name == "plain" or name in args.only]
+
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model, tokenizer = kvpolicy.load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
+    all_ids = tokenizer(corpus(args.text_file), return_tensors="pt")["input_ids"].to(device)
+    sessions = {name: attach(model, recipe) for name, recipe in recipes.items() if name in configs}
+    options = {"backend": args.compile_backend, **({"mode": args.compile_mode} if args.compile_mode else {})}
+    if "h2o-compiled" in configs:
+        sessions["h2o-compiled"] = attach(model, recipes["h2o"]).compile(**options)
+    if "plain-compiled" in configs:
+        plain_step = plain_compiled_step(model)
     print(f"threads={torch.get_num_threads()} torch={torch.__version__} model={args.model} budget={args.budget} "
           f"device={args.device} dtype={args.dtype} batch={args.batch}" + (f" compile={options}" if args.compile else ""))
 

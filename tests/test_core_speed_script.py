@@ -16,11 +16,13 @@ def test_core_speed_runs_every_configuration(tiny, tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "core_speed.py"), "--model", tiny[0], "--text-file", tiny[1],
          "--contexts", "48", "--new-tokens", "2", "--repeats", "1", "--threads", "1", "--out", str(out),
-         "--compile", "--compile-backend", "eager"],  # the compiled configurations without inductor's compile time
+         "--compile", "--compile-backend", "eager",  # the compiled configurations without inductor's compile time
+         "--recipes", "kivi"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(r["context"], r["config"]) for r in rows] == [
-        (48, "plain"), (48, "plain-compiled"), (48, "full"), (48, "h2o"), (48, "h2o-compiled")]
+        (48, "plain"), (48, "plain-compiled"), (48, "full"), (48, "h2o"), (48, "h2o-compiled"), (48, "kivi")]
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 for r in rows)
+
