@@ -208,7 +208,7 @@ class ChannelRange:
     s_1 < ... < s_k a key first encoded at step s_0 decodes within (s_0 + ... + s_k) / 2
     <= (s_k / 2) * margin / (margin - 1): at most 5x the fresh bound of the final grid for margin 1.25
     (errors add as random ones in practice, well under that; `accumulated_bound` gives the bound).
-    The range never narrows when the extreme tokens are evicted.
+    The range never narrows when the extreme tokens are evicted (its owner may reset an emptied cell to scale 0).
     """
 
     scale: torch.Tensor
