@@ -370,13 +370,28 @@ def test_auto_mode_picks_by_rows():
 
 
 # --- end to end on a tiny model -------------------------------------------------------------------
+def greedy_keeping(model, plan, ids, mask, steps):
+    """Greedy tokens, logits and each step's kept positions of every layer, with ``plan`` attached for the run."""
+    from helpers import StepRecorder, greedy
+
+    from kvpolicy.hf.session import attach
+
+    session = attach(model, plan)
+    layers = range(model.config.num_hidden_layers)
+    recorder = StepRecorder(lambda: {i: session.last_cache.kept_positions(i) for i in layers})
+    try:
+        tokens, logits = greedy(session.model, ids, mask, steps, recorder=recorder, cache=session.new_cache())
+    finally:
+        session.detach()
+    return tokens, logits, recorder.steps
+
+
 @in_process
 def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
-    from helpers import StepRecorder, greedy, uniform_plan
+    from helpers import uniform_plan
     from tiny_models import padded_batch, tiny_model
 
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
-    from kvpolicy.hf.session import attach
     from kvpolicy.plan import Budget
 
     model = tiny_model("llama").to(DEVICE)  # 6 query heads over 2 KV heads (G=3), head dim 16
@@ -386,13 +401,7 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
     layers = range(model.config.num_hidden_layers)
 
     def run():
-        session = attach(model, uniform_plan(model, "h2o", Budget(tokens=7), recent_ratio=0.5))
-        recorder = StepRecorder(lambda: {i: session.last_cache.kept_positions(i) for i in layers})
-        try:
-            tokens, logits = greedy(session.model, ids, mask, steps, recorder=recorder, cache=session.new_cache())
-        finally:
-            session.detach()
-        return tokens, logits, recorder.steps
+        return greedy_keeping(model, uniform_plan(model, "h2o", Budget(tokens=7), recent_ratio=0.5), ids, mask, steps)
 
     ref_tokens, ref_logits, ref_kept = run()
 
@@ -417,11 +426,9 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
 def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_in_place(monkeypatch, tmp_path):
     """A byte budget over 16/8/2-bit tiers: the Triton run's decode steps read the codes in place and keep what the
     torch run keeps, with the same tokens."""
-    from helpers import StepRecorder, greedy
     from tiny_models import padded_batch, tiny_model
 
     from kvpolicy.backend import triton_tiered
-    from kvpolicy.hf.session import attach
     from kvpolicy.recipe import load_recipe
 
     model = tiny_model("llama").to(DEVICE)
@@ -433,13 +440,7 @@ def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_
     layers = range(model.config.num_hidden_layers)
 
     def run():
-        session = attach(model, load_recipe(str(path)))
-        recorder = StepRecorder(lambda: {i: session.last_cache.kept_positions(i) for i in layers})
-        try:
-            tokens, logits = greedy(session.model, ids, mask, steps, recorder=recorder, cache=session.new_cache())
-        finally:
-            session.detach()
-        return tokens, logits, recorder.steps
+        return greedy_keeping(model, load_recipe(str(path)), ids, mask, steps)
 
     monkeypatch.setenv("KVPOLICY_BACKEND", "torch")
     ref_tokens, ref_logits, ref_kept = run()

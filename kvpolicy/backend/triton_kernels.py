@@ -90,19 +90,32 @@ def _visible_scores(
 @triton.jit
 def _online_softmax_step(s, m_i, l_i, acc, v_base, cols, n_ok, offs_d, d_ok, stride_vn, stride_vd, UPCAST: tl.constexpr):
     """Fold one block of base-2 logits and its values into the running max, normaliser and output."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
     v = tl.load(
         v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
         mask=n_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    return _fold_block(s, v, m_i, l_i, acc, UPCAST)
+
+
+@triton.jit
+def _fold_block(s, v, m_i, l_i, acc, UPCAST: tl.constexpr):
+    """`_online_softmax_step` on values already loaded (fp32 when UPCAST, else P is cast to their dtype)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     if UPCAST:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _empty_running(BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A split's running (max, normaliser, visible count, output) before its first block."""
+    return (tl.full([BLOCK_R], float("-inf"), tl.float32), tl.zeros([BLOCK_R], tl.float32),
+            tl.zeros([BLOCK_R], tl.float32), tl.zeros([BLOCK_R, BLOCK_D], tl.float32))
 
 
 @triton.jit
@@ -268,6 +281,39 @@ def _prefill_stats_kernel(
 # decode: split-K over the key slots with the G query heads (times the few queries) as tile rows
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def _decode_rows(Q, QPOS, pid_bh, Hkv, G, R, stride_qb, stride_qh, stride_qm, stride_qd, stride_qpb, stride_qpm,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A decode program's rows: the G query heads (times the queries) of one (batch row, KV head), query-major (row r
+    is query r // G of query head kvh * G + r % G); their queries as stored, and positions."""
+    b = (pid_bh // Hkv).to(tl.int64)
+    kvh = pid_bh % Hkv
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    r_ok = offs_r < R
+    d_ok = offs_d < HEAD_DIM
+    qi = offs_r // G
+    h = kvh * G + offs_r % G
+    q = tl.load(
+        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        mask=r_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    qpos = tl.load(QPOS + b * stride_qpb + qi * stride_qpm, mask=r_ok, other=-1)
+    return b, kvh, offs_r, offs_d, r_ok, d_ok, q, qpos
+
+
+@triton.jit
+def _store_partials(M_PART, L_PART, C_PART, ACC_PART, pid_bh, split, NUM_SPLITS, m_i, l_i, cnt, acc,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One split's running (max, sum, visible count, output) of its rows, for the finishing kernel to merge."""
+    offs_r = tl.arange(0, BLOCK_R)
+    part = (pid_bh.to(tl.int64) * NUM_SPLITS + split) * BLOCK_R + offs_r
+    tl.store(M_PART + part, m_i)
+    tl.store(L_PART + part, l_i)
+    tl.store(C_PART + part, cnt)
+    tl.store(ACC_PART + part[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], acc)
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, K, V, KVALID, KPOS, QPOS, S, M_PART, L_PART, C_PART, ACC_PART,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -282,22 +328,13 @@ def _decode_partial_kernel(
 ):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    kvh = pid_bh % Hkv
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    r_ok = offs_r < R
-    d_ok = offs_d < HEAD_DIM
-    qi = offs_r // G  # rows are query-major: row r is query r // G of query head kvh * G + r % G
-    h = kvh * G + offs_r % G
-    q = tl.load(
-        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=r_ok[:, None] & d_ok[None, :], other=0.0,
+    b, kvh, offs_r, offs_d, r_ok, d_ok, q, qpos = _decode_rows(
+        Q, QPOS, pid_bh, Hkv, G, R, stride_qb, stride_qh, stride_qm, stride_qd, stride_qpb, stride_qpm,
+        HEAD_DIM, BLOCK_D, BLOCK_R,
     )
+    offs_n = tl.arange(0, BLOCK_N)
     if UPCAST:
         q = q.to(tl.float32)
-    qpos = tl.load(QPOS + b * stride_qpb + qi * stride_qpm, mask=r_ok, other=-1)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -305,10 +342,7 @@ def _decode_partial_kernel(
     pos_base = KPOS + b * stride_pb + kvh * stride_ph
     s_base = S + pid_bh.to(tl.int64) * R * T_EFF
 
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    cnt = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    m_i, l_i, cnt, acc = _empty_running(BLOCK_R, BLOCK_D)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, T_EFF)
     for start_n in range(lo, hi, BLOCK_N):
@@ -325,11 +359,7 @@ def _decode_partial_kernel(
         )
         cnt += tl.sum(vis.to(tl.float32), 1)
 
-    part = (pid_bh.to(tl.int64) * NUM_SPLITS + pid_s) * BLOCK_R + offs_r
-    tl.store(M_PART + part, m_i)
-    tl.store(L_PART + part, l_i)
-    tl.store(C_PART + part, cnt)
-    tl.store(ACC_PART + part[:, None] * BLOCK_D + offs_d[None, :], acc)
+    _store_partials(M_PART, L_PART, C_PART, ACC_PART, pid_bh, pid_s, NUM_SPLITS, m_i, l_i, cnt, acc, BLOCK_R, BLOCK_D)
 
 
 @triton.jit
@@ -470,20 +500,10 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
 
     Calls without statistics run SDPA (the fastest exact kernel there is), and the profiling
     statistics, which have no kernel, run on the torch reference on the same device. A tiered
-    layer's decode step (``call.regions``) reads its codes in place (`triton_tiered`); its other calls
+    layer's decode steps go to `triton_tiered.attend` (`dispatch`); its other calls come here and
     decode the layer first.
     """
-    if call.regions is not None:
-        groups = query.shape[1] // call.valid.shape[1]
-        if call.needs and not call.needs & TORCH_ONLY_STATS and groups * query.shape[2] <= DECODE_MAX_ROWS:
-            from .triton_tiered import attend_tiered_decode
-
-            out, stats = attend_tiered_decode(
-                query, call.regions, call.valid, call.key_positions, call.query_positions, call.scaling, call.needs,
-                call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
-            )
-            return AttentionResult(out, stats)
-        call = call.decoded()
+    call = call.decoded()  # a tiered layer's call that `triton_tiered` did not take: its K/V decoded
     if not call.needs or call.needs & TORCH_ONLY_STATS:
         return torch_ref.attend(query, call)
     query = call.prepare_query(query)

@@ -17,9 +17,23 @@ import triton
 import triton.language as tl
 
 from ..policies.base import AttentionStats
+from . import triton_kernels
+from .call import AttentionCall, AttentionResult
 from .regions import KVRegion, Scaled
 from .select import interpreting
-from .triton_kernels import DECODE_MAX_ROWS, LOG2E, _as_u8, _configs, _decode_finish_kernel, _num_splits
+from .triton_kernels import (
+    DECODE_MAX_ROWS,
+    LOG2E,
+    TORCH_ONLY_STATS,
+    _as_u8,
+    _configs,
+    _decode_finish_kernel,
+    _decode_rows,
+    _empty_running,
+    _fold_block,
+    _num_splits,
+    _store_partials,
+)
 
 
 @triton.jit
@@ -34,9 +48,8 @@ def _load_tile(base, scale_base, zero_base, cols, n_ok, offs_d, d_ok, stride_n, 
         ok = n_ok[:, None] & d_ok[None, :]
     if BITS == 16:
         return tl.load(base + n2 * stride_n + d2 * stride_d, mask=ok, other=0.0).to(tl.float32)
-    PER_BYTE: tl.constexpr = 8 // BITS
-    packed = tl.load(base + n2 * stride_n + (d2 // PER_BYTE) * stride_d, mask=ok, other=0).to(tl.int32)
-    codes = (packed >> ((d2 % PER_BYTE) * BITS)) & ((1 << BITS) - 1)
+    packed = tl.load(base + n2 * stride_n + (d2 // (8 // BITS)) * stride_d, mask=ok, other=0).to(tl.int32)
+    codes = (packed >> ((d2 % (8 // BITS)) * BITS)) & ((1 << BITS) - 1)  # the first code of a byte: its lowest bits
     at = (n2 // ROWS) * stride_sn + (d2 // GROUP) * stride_sc
     scale = tl.load(scale_base + at, mask=ok, other=0.0).to(tl.float32)
     zero = tl.load(zero_base + at, mask=ok, other=0.0).to(tl.float32)
@@ -59,20 +72,12 @@ def _tiered_partial_kernel(
 ):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)
-    kvh = pid_bh % Hkv
-    offs_r = tl.arange(0, BLOCK_R)
+    b, kvh, offs_r, offs_d, r_ok, d_ok, q, qpos = _decode_rows(
+        Q, QPOS, pid_bh, Hkv, G, R, stride_qb, stride_qh, stride_qm, stride_qd, stride_qpb, stride_qpm,
+        HEAD_DIM, BLOCK_D, BLOCK_R,
+    )
+    q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    r_ok = offs_r < R
-    d_ok = offs_d < HEAD_DIM
-    qi = offs_r // G  # rows are query-major: row r is query r // G of query head kvh * G + r % G
-    h = kvh * G + offs_r % G
-    q = tl.load(
-        Q + b * stride_qb + h[:, None] * stride_qh + qi[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=r_ok[:, None] & d_ok[None, :], other=0.0,
-    ).to(tl.float32)
-    qpos = tl.load(QPOS + b * stride_qpb + qi * stride_qpm, mask=r_ok, other=-1)
 
     k_base = K + b * stride_kb + kvh * stride_kh
     ks_base = KS + b * stride_ksb + kvh * stride_ksh
@@ -85,10 +90,7 @@ def _tiered_partial_kernel(
     pos_base = KPOS + b * stride_pb + kvh * stride_ph + START * stride_pn
     s_base = S + pid_bh.to(tl.int64) * R * T_EFF + START
 
-    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_R], tl.float32)
-    cnt = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    m_i, l_i, cnt, acc = _empty_running(BLOCK_R, BLOCK_D)
     lo = pid_s * split_len
     hi = tl.minimum(lo + split_len, COUNT)
     for start_n in range(lo, hi, BLOCK_N):
@@ -104,22 +106,13 @@ def _tiered_partial_kernel(
         s = tl.where(vis, tl.dot(q, kt, input_precision="ieee") * qk_scale, float("-inf"))
         if STORE_S:
             tl.store(s_base + offs_r[:, None] * T_EFF + cols[None, :], s, mask=r_ok[:, None] & n_ok[None, :])
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet stay at zero
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
         v = _load_tile(v_base, vs_base, vz_base, cols, n_ok, offs_d, d_ok, stride_vn, stride_vd, stride_vsn,
                        stride_vsc, VALUE_ROWS, VALUE_GROUP, BITS, False)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        m_i, l_i, acc = _fold_block(s, v, m_i, l_i, acc, True)
         cnt += tl.sum(vis.to(tl.float32), 1)
 
-    part = (pid_bh.to(tl.int64) * NUM_SPLITS + SPLIT0 + pid_s) * BLOCK_R + offs_r
-    tl.store(M_PART + part, m_i)
-    tl.store(L_PART + part, l_i)
-    tl.store(C_PART + part, cnt)
-    tl.store(ACC_PART + part[:, None] * BLOCK_D + offs_d[None, :], acc)
+    _store_partials(M_PART, L_PART, C_PART, ACC_PART, pid_bh, SPLIT0 + pid_s, NUM_SPLITS, m_i, l_i, cnt, acc,
+                    BLOCK_R, BLOCK_D)
 
 
 def _operands(part: torch.Tensor | Scaled, dummy: torch.Tensor) -> tuple[list, tuple[int, ...], tuple[int, ...], int, int]:
@@ -225,3 +218,16 @@ def attend_tiered_decode(
     real = query_valid.to(device).sum(dim=1) if query_valid is not None else torch.full(
         (batch,), queries, dtype=torch.long, device=device)
     return out, AttentionStats(queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out)
+
+
+def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
+    """A tiered layer's call on the Triton backend: decode steps with statistics read the codes in place; any other
+    call (a prompt, plain attention, the torch-only statistics) decodes the layer and runs as a dense one."""
+    groups = query.shape[1] // call.valid.shape[1]
+    if call.needs and not call.needs & TORCH_ONLY_STATS and groups * query.shape[2] <= DECODE_MAX_ROWS:
+        out, stats = attend_tiered_decode(
+            query, call.regions, call.valid, call.key_positions, call.query_positions, call.scaling, call.needs,
+            call.query_valid, call.past_slots, call.last_rows_window, call.sliding_window,
+        )
+        return AttentionResult(out, stats)
+    return triton_kernels.attend(query, call.decoded())
