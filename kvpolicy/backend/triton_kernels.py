@@ -35,6 +35,7 @@ bf16 dot is wrong). Triton picks compile-or-interpret when it is first imported,
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -572,8 +573,6 @@ def attend_tracking_triton(
     key_positions = key_positions if key_positions.dtype == torch.long else key_positions.long()
     qvalid_u8 = _as_u8(query_valid.to(device)) if query_valid is not None else None
 
-    want_rows = "last_rows" in needs and last_rows > 0
-    rows_w = min(last_rows, queries) if want_rows else 0
     f32 = dict(dtype=torch.float32, device=device)
     rows = groups * queries
     use_decode = mode == "decode" or (mode == "auto" and rows <= DECODE_MAX_ROWS)
@@ -586,14 +585,10 @@ def attend_tracking_triton(
     if not use_decode and fresh_prompt and mode in ("auto", "prefill_sdpa"):
         fused = causal_attention_with_lse(query, keys, values, scaling)
     t_eff = min(total, past_slots + queries)  # slots past the last query's own are never visible
-    # the kernels write every column they can see; zero-fill only what they leave (or accumulate into)
-    fill = torch.zeros if t_eff < total else torch.empty
-    colsum = fill(batch, kv_heads, total, **f32) if "colsum" in needs else None
-    colsum_sq = fill(batch, kv_heads, total, **f32) if "colsum_sq" in needs else None
-    below = fill(batch, kv_heads, total, **f32) if "below_uniform" in needs else None
-    rows_fill = fill if use_decode else torch.zeros  # prefill adds each query head's share in place
-    rows_out = rows_fill(batch, kv_heads, rows_w, total, **f32) if want_rows else None
-    any_stats = colsum is not None or colsum_sq is not None or below is not None or want_rows
+    # prefill adds each query head's share of the last rows in place
+    buffers = StatBuffers.allocate(needs, last_rows, queries, (batch, kv_heads, total), t_eff, device,
+                                   rows_zeroed=not use_decode)
+    any_stats, below = buffers.any, buffers.below
     dummy = torch.empty(1, **f32)
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=device)
 
@@ -603,15 +598,7 @@ def attend_tracking_triton(
     os_ = out.stride()
     qvs = qvalid_u8.stride() if qvalid_u8 is not None else (0, 0)
     qv_arg = qvalid_u8 if qvalid_u8 is not None else dummy
-    stat_args = (
-        colsum if colsum is not None else dummy,
-        colsum_sq if colsum_sq is not None else dummy,
-        below if below is not None else dummy,
-        rows_out if rows_out is not None else dummy,
-    )
-    flags = dict(
-        WANT_SUM=colsum is not None, WANT_SQ=colsum_sq is not None, WANT_BELOW=below is not None, WANT_ROWS=want_rows
-    )
+    stat_args, flags = buffers.args(dummy), buffers.flags()
 
     if use_decode:
         block_r = max(16, triton.next_power_of_2(rows))
@@ -632,14 +619,8 @@ def attend_tracking_triton(
                  STORE_S=any_stats),
             dict(BLOCK_N=cfg["dec_n"], num_warps=cfg["dec_warps"], num_stages=cfg["dec_stages"]),
         )
-        block_n = min(cfg["finish_n"], max(16, triton.next_power_of_2(t_eff))) if any_stats else 16
-        grid_n = triton.cdiv(t_eff, block_n) if any_stats else 1
-        _decode_finish_kernel[(grid_n, batch * kv_heads)](
-            m_part, l_part, c_part, acc_part, scores, qv_arg, out, *stat_args, *os_, *qvs,
-            kv_heads, groups, queries, rows, total, t_eff, max(rows_w, 1), 1.0 / groups, splits,
-            HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=block_n, HAS_QVALID=qvalid_u8 is not None,
-            BLOCK_W=max(2, triton.next_power_of_2(max(rows_w, 1))), **flags, num_warps=4,
-        )
+        finish_decode((m_part, l_part, c_part, acc_part), scores, qvalid_u8, out, buffers, groups, total, t_eff, splits,
+                      block_r, cfg["finish_n"], dummy)
     else:
         if fused is not None:  # the output and log-sum-exp of the fused kernel; only the statistics pass is ours
             fused_out, lse = fused
@@ -668,16 +649,74 @@ def attend_tracking_triton(
                 (query, keys, valid_u8, key_positions, query_positions, qv_arg, lse, cnt, *stat_args,
                  *qs, *ks, *ms, *ps, *qps, *qvs,
                  q_heads, kv_heads, groups, queries, total, past_slots, window, qk_scale, 1.0 / groups,
-                 max(rows_w, 1), length_bucket(total)),
+                 max(buffers.rows_w, 1), length_bucket(total)),
                 dict(HEAD_DIM=dim, BLOCK_D=block_d, HAS_WINDOW=has_window, UPCAST=upcast,
                      HAS_QVALID=qvalid_u8 is not None, **flags),
                 dict(BLOCK_M=cfg["stats_m"], BLOCK_N=cfg["stats_n"], num_warps=cfg["stats_warps"],
                      num_stages=cfg["stats_stages"]),
             )
 
-    if query_valid is not None:
-        real = query_valid.to(device).sum(dim=1)
-    else:
-        real = torch.full((batch,), queries, dtype=torch.long, device=device)
-    stats = AttentionStats(queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out)
-    return out, stats
+    return out, buffers.stats(query_valid, batch, queries, device)
+
+
+@dataclass
+class StatBuffers:
+    """The fp32 statistics a call asked for, [B, Hkv, T] (``rows_out`` [B, Hkv, W, T]), None where not asked."""
+
+    colsum: torch.Tensor | None
+    colsum_sq: torch.Tensor | None
+    below: torch.Tensor | None
+    rows_out: torch.Tensor | None
+    rows_w: int  # the last rows returned (W)
+
+    @classmethod
+    def allocate(cls, needs: frozenset[str], last_rows: int, queries: int, shape: tuple[int, int, int], t_eff: int,
+                 device: torch.device, rows_zeroed: bool = False) -> StatBuffers:
+        # the kernels write every column they can see: zero-fill only what they leave (or accumulate into)
+        fill = torch.zeros if t_eff < shape[2] else torch.empty
+        f32 = dict(dtype=torch.float32, device=device)
+        rows_w = min(last_rows, queries) if "last_rows" in needs and last_rows > 0 else 0
+        return cls(
+            fill(*shape, **f32) if "colsum" in needs else None,
+            fill(*shape, **f32) if "colsum_sq" in needs else None,
+            fill(*shape, **f32) if "below_uniform" in needs else None,
+            (torch.zeros if rows_zeroed else fill)(shape[0], shape[1], rows_w, shape[2], **f32) if rows_w else None,
+            rows_w,
+        )
+
+    @property
+    def any(self) -> bool:
+        return any(t is not None for t in (self.colsum, self.colsum_sq, self.below, self.rows_out))
+
+    def args(self, dummy: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t if t is not None else dummy for t in (self.colsum, self.colsum_sq, self.below, self.rows_out))
+
+    def flags(self) -> dict[str, bool]:
+        return dict(WANT_SUM=self.colsum is not None, WANT_SQ=self.colsum_sq is not None,
+                    WANT_BELOW=self.below is not None, WANT_ROWS=self.rows_out is not None)
+
+    def stats(self, query_valid: torch.Tensor | None, batch: int, queries: int, device: torch.device) -> AttentionStats:
+        if query_valid is not None:
+            real = query_valid.to(device).sum(dim=1)
+        else:
+            real = torch.full((batch,), queries, dtype=torch.long, device=device)
+        return AttentionStats(queries=real, colsum=self.colsum, colsum_sq=self.colsum_sq, below_uniform=self.below,
+                              last_rows=self.rows_out)
+
+
+def finish_decode(parts: tuple[torch.Tensor, ...], scores: torch.Tensor, qvalid_u8: torch.Tensor | None,
+                  out: torch.Tensor, buffers: StatBuffers, groups: int, total: int, t_eff: int, splits: int,
+                  block_r: int, finish_n: int, dummy: torch.Tensor) -> None:
+    """Merge a decode call's ``splits`` partial (max, sum, count, acc) into ``out`` [B, q, Hq, D], and its logits
+    ``scores`` [B * Hkv, G * q, t_eff] into the statistics over the ``total`` slots."""
+    batch, queries, q_heads, dim = out.shape
+    kv_heads = q_heads // groups
+    block_n = min(finish_n, max(16, triton.next_power_of_2(t_eff))) if buffers.any else 16
+    _decode_finish_kernel[(triton.cdiv(t_eff, block_n) if buffers.any else 1, batch * kv_heads)](
+        *parts, scores, qvalid_u8 if qvalid_u8 is not None else dummy, out, *buffers.args(dummy), *out.stride(),
+        *(qvalid_u8.stride() if qvalid_u8 is not None else (0, 0)),
+        kv_heads, groups, queries, groups * queries, total, t_eff, max(buffers.rows_w, 1), 1.0 / groups, splits,
+        HEAD_DIM=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_R=block_r, BLOCK_N=block_n,
+        HAS_QVALID=qvalid_u8 is not None, BLOCK_W=max(2, triton.next_power_of_2(max(buffers.rows_w, 1))),
+        **buffers.flags(), num_warps=4,
+    )

@@ -25,14 +25,15 @@ from .triton_kernels import (
     DECODE_MAX_ROWS,
     LOG2E,
     TORCH_ONLY_STATS,
+    StatBuffers,
     _as_u8,
     _configs,
-    _decode_finish_kernel,
     _decode_rows,
     _empty_running,
     _fold_block,
     _num_splits,
     _store_partials,
+    finish_decode,
 )
 
 
@@ -160,14 +161,8 @@ def attend_tiered_decode(
     f32 = dict(dtype=torch.float32, device=device)
     dummy = torch.empty(1, **f32)
     t_eff = min(total, past_slots + queries)
-    want_rows = "last_rows" in needs and last_rows > 0
-    rows_w = min(last_rows, queries) if want_rows else 0
-    fill = torch.zeros if t_eff < total else torch.empty
-    colsum = fill(batch, kv_heads, total, **f32) if "colsum" in needs else None
-    colsum_sq = fill(batch, kv_heads, total, **f32) if "colsum_sq" in needs else None
-    below = fill(batch, kv_heads, total, **f32) if "below_uniform" in needs else None
-    rows_out = fill(batch, kv_heads, rows_w, total, **f32) if want_rows else None
-    any_stats = colsum is not None or colsum_sq is not None or below is not None or want_rows
+    buffers = StatBuffers.allocate(needs, last_rows, queries, (batch, kv_heads, total), t_eff, device)
+    any_stats = buffers.any
     out = torch.empty(batch, queries, q_heads, dim, dtype=query.dtype, device=device)
     valid_u8 = _as_u8(valid)
     key_positions = key_positions if key_positions.dtype == torch.long else key_positions.long()
@@ -205,19 +200,9 @@ def attend_tiered_decode(
         split0 += splits
 
     qvalid_u8 = _as_u8(query_valid.to(device)) if query_valid is not None else None
-    stat_args = [t if t is not None else dummy for t in (colsum, colsum_sq, below, rows_out)]
-    finish_n = min(cfg["finish_n"], max(16, triton.next_power_of_2(t_eff))) if any_stats else 16
-    _decode_finish_kernel[(triton.cdiv(t_eff, finish_n) if any_stats else 1, batch * kv_heads)](
-        m_part, l_part, c_part, acc_part, scores, qvalid_u8 if qvalid_u8 is not None else dummy, out, *stat_args,
-        *out.stride(), *(qvalid_u8.stride() if qvalid_u8 is not None else (0, 0)),
-        kv_heads, groups, queries, rows, total, t_eff, max(rows_w, 1), 1.0 / groups, total_splits,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_R=block_r, BLOCK_N=finish_n, HAS_QVALID=qvalid_u8 is not None,
-        BLOCK_W=max(2, triton.next_power_of_2(max(rows_w, 1))), WANT_SUM=colsum is not None,
-        WANT_SQ=colsum_sq is not None, WANT_BELOW=below is not None, WANT_ROWS=want_rows, num_warps=4,
-    )
-    real = query_valid.to(device).sum(dim=1) if query_valid is not None else torch.full(
-        (batch,), queries, dtype=torch.long, device=device)
-    return out, AttentionStats(queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out)
+    finish_decode((m_part, l_part, c_part, acc_part), scores, qvalid_u8, out, buffers, groups, total, t_eff,
+                  total_splits, block_r, cfg["finish_n"], dummy)
+    return out, buffers.stats(query_valid, batch, queries, device)
 
 
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
