@@ -115,7 +115,8 @@ class Recipe:
         if cls.dynamic_budget:
             budget = BY_POLICY  # the policy sizes its cells itself (FastGen); a recipe budget does not apply
         elif not cls.evicts:
-            budget = dataclasses.replace(UNBOUNDED, tiers=budget.tiers if budget else ())  # kept whole, at its precisions
+            # kept whole, at its precisions; the slack still amortizes moving tokens down a tier
+            budget = dataclasses.replace(UNBOUNDED, tiers=budget.tiers, slack=budget.slack) if budget else UNBOUNDED
         elif not budget.is_limited:
             raise recipe_error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',
                                "Add e.g. budget: {ratio: 0.2} at the top level or to this rule")

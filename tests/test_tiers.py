@@ -179,6 +179,18 @@ def test_kivi_style_tiers_keep_every_token_and_the_recent_ones_at_16_bits(tmp_pa
         assert {p for (b, h, p), t in tiers.items() if t == 0} == set(range(42, 50))
 
 
+def test_a_policy_that_evicts_nothing_keeps_its_recipes_slack(tmp_path):
+    """`full` with tiers (KIVI-style) moves tokens down every `slack` + 1 tokens, not at every step."""
+    spec = recipe(tmp_path, "policy: full\nbudget: {slack: 4, tiers: [{bits: 16, tokens: 8}, {bits: 4}]}")
+    assert spec.resolve(2, 2).layers[0].heads[0].budget.slack == 4
+    model = tiny_model("llama")
+    top_sizes = []
+    _, cache = stream(model, attach(model, spec), random_ids(50), 20,
+                      check=lambda c: top_sizes.append(sum(t == 0 for t in layer_tiers_of_positions(c.layers[0]).values())))
+    assert max(top_sizes) == 2 * (8 + 4) and min(top_sizes[1:]) >= 2 * 8  # both heads: up to 4 tokens wait at 16 bits
+    assert len(set(top_sizes)) > 2
+
+
 @pytest.mark.parametrize("bits, bound", [(8, 0.02), (4, 0.15), (2, 0.6)])
 def test_quantized_tiers_stay_close_to_the_full_cache(tmp_path, bits, bound):
     """Nothing evicted, everything past 4 recent tokens quantized: the logits' error shrinks with the bits."""
