@@ -120,6 +120,10 @@ class PolicyLayer(StaticDecode):
             self._append_token_ids(start, count)
         self.slots_seen += count
         self.pending = (start, count)
+        return self._attention_kv()
+
+    def _attention_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V attention reads: shape-only placeholders when the Triton kernels read the tiers in place."""
         return self.store.placeholder_kv() if self.kernel_reads_tiers else self.store.attention_kv()
 
     def _initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -173,7 +177,7 @@ class PolicyLayer(StaticDecode):
         self.tokens_seen = self.tokens_seen + (count if query_valid is None else query_valid.sum(dim=1))
         if self.budgets.limits is None:
             self.budgets.resolve(self.tokens_seen, count)
-        keys, values = self.store.placeholder_kv() if self.kernel_reads_tiers else self.store.attention_kv()
+        keys, values = self._attention_kv()
         used = keys.shape[2]
         valid, key_positions = self.valid[:, :, :used], self.positions[:, :, :used]
         query_rotation = None

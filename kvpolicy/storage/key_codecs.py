@@ -27,6 +27,7 @@ from .quant import (
     quantize_per_token,
 )
 from .slots import along_slots, resize_slots
+from .tier_formats import scatter_present
 
 #: Scale rows "larger than any tier": every slot of a cell reads row 0 (`CellKeys`' one range).
 ONE_ROW = 2**30
@@ -36,13 +37,6 @@ KEY_BLOCK = 32
 #: on SmolLM2's keys a 25% margin costs more in wider steps than it saves in re-encodings (`benchmarks/quant_error.py`:
 #: 4-bit attention error 9.1% against 7.2%, 8 tokens a write).
 BLOCK_MARGIN = 1.0
-
-
-def _write_where(tensor: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, present: torch.Tensor) -> None:
-    """tensor[b, h, slots[b, h, i]] = rows[b, h, i] where ``present``; other entries write back what is there."""
-    index = along_slots(slots, tensor)
-    keep = present.reshape(*present.shape, *([1] * (tensor.dim() - 3)))
-    tensor.scatter_(2, index, torch.where(keep, rows.to(tensor.dtype), tensor.gather(2, index)))
 
 
 class TokenKeys:
@@ -60,7 +54,7 @@ class TokenKeys:
     def write(self, slots: torch.Tensor, keys: torch.Tensor, present: torch.Tensor, kept: torch.Tensor) -> None:
         rows = quantize_per_token(keys, self.bits, self.group)
         for tensor, new in ((self.codes, rows.packed), (self.scale, rows.scale), (self.zero, rows.zero)):
-            _write_where(tensor, slots, new, present)
+            scatter_present(tensor, slots, new, present)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes, scale, zero = (t.gather(2, along_slots(slots, t)) for t in (self.codes, self.scale, self.zero))
@@ -100,7 +94,7 @@ class CellKeys:
         self.range = ChannelRange(self.range.scale.masked_fill(empty, 0), self.range.zero.masked_fill(empty, 0),
                                   self.bits, self.range.margin)
         self.range, self.codes = self.range.widen(keys, self.codes, valid=present)
-        _write_where(self.codes, slots, self.range.encode(keys), present)
+        scatter_present(self.codes, slots, self.range.encode(keys), present)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.range.decode(self.codes.gather(2, along_slots(slots, self.codes)), dtype)
@@ -170,7 +164,7 @@ class BlockKeys:
         scale = self.range.scale.squeeze(3).gather(2, index)[..., None, :]  # each mover's block's grid
         zero = self.range.zero.squeeze(3).gather(2, index)[..., None, :]
         fresh = ChannelRange(scale, zero, self.bits).encode(keys[..., None, :]).squeeze(3)
-        _write_where(self.codes, slots, fresh, present)
+        scatter_present(self.codes, slots, fresh, present)
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = self.codes.gather(2, along_slots(slots, self.codes))
