@@ -9,7 +9,7 @@ that a new way to scale keys is a new class here, not a branch in the tier:
   until it moves down or is evicted, so a block's range stays valid under eviction; tokens moving
   into a block widen its range (`quant.ChannelRange.widen`, to exactly the span needed), and a block left empty starts afresh.
 * `CellKeys` (``keys: cell``): per channel, one range per (row, KV head), widened as tokens arrive.
-* `TokenKeys` (``keys: token``): a scale and zero point per token and group of channels, like values.
+* `TokenRows` (``keys: token``): a scale and zero point per token and group of channels, like values.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ KEY_BLOCK = 32
 BLOCK_MARGIN = 1.0
 
 
-class TokenKeys:
-    """Keys scaled per token and group of channels, exactly as values are."""
+class TokenRows:
+    """Rows scaled per token and group of channels: a quantized tier's values, and its keys under ``keys: token``."""
 
     def __init__(self, bits: int, group: int, batch: int, heads: int, head_dim: int, device: torch.device):
         self.bits, self.group = bits, group
@@ -198,4 +198,4 @@ class BlockKeys:
         return key_range_bytes(self.head_dim)
 
 
-KEY_CODECS = {"channel": BlockKeys, "cell": CellKeys, "token": TokenKeys}
+KEY_CODECS = {"channel": BlockKeys, "cell": CellKeys, "token": TokenRows}
