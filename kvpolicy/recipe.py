@@ -115,8 +115,10 @@ class Recipe:
         if cls.dynamic_budget:
             budget = BY_POLICY  # the policy sizes its cells itself (FastGen); a recipe budget does not apply
         elif not cls.evicts:
-            # kept whole, at its precisions; the slack still amortizes moving tokens down a tier
-            budget = dataclasses.replace(UNBOUNDED, tiers=budget.tiers, slack=budget.slack) if budget else UNBOUNDED
+            # kept whole, at its precisions; with tiers the slack still amortizes moving tokens down a tier,
+            # without them there is nothing to amortize
+            budget = (dataclasses.replace(UNBOUNDED, tiers=budget.tiers, slack=budget.slack)
+                      if budget and budget.tiers else UNBOUNDED)
         elif not budget.is_limited:
             raise recipe_error(self._file, line, "budget", f'policy "{cls.name}" evicts tokens but has no budget',
                                "Add e.g. budget: {ratio: 0.2} at the top level or to this rule")
