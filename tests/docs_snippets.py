@@ -25,6 +25,8 @@ A block may be preceded (on its last non-blank line before the fence) by one dir
 Run as a script (``python tests/docs_snippets.py --report FILE PAGE...``), in a scratch
 folder where ``recipes`` and ``plugins`` link to the repository's, it runs the pages one
 after the other in this one process and writes a JSON report: page -> ok, error, blocks run.
+With ``--claims FOLDER``, several such runners (each in its own scratch folder) share the pages:
+each takes the next page no other runner has claimed in FOLDER.
 """
 
 from __future__ import annotations
@@ -194,14 +196,26 @@ def run_page(page: Path, scratch: Path) -> int:
     return ran
 
 
+def claim(folder: Path, index: int) -> bool:
+    """Take page ``index`` for this runner, if no other runner sharing ``folder`` took it first."""
+    try:
+        (folder / str(index)).open("x").close()
+        return True
+    except FileExistsError:
+        return False
+
+
 def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(1)  # steady timing on a shared 2-core machine (multi-threaded torch slows down badly)
     report_path, pages = Path(argv[argv.index("--report") + 1]), [Path(p) for p in argv if p.endswith(".md")]
+    claims = Path(argv[argv.index("--claims") + 1]) if "--claims" in argv else None
     scratch = Path.cwd()
     report = {}
-    for page in pages:
+    for index, page in enumerate(pages):
+        if claims is not None and not claim(claims, index):
+            continue  # another runner has it
         output = io.StringIO()
         started = time.perf_counter()
         try:

@@ -62,13 +62,15 @@ def tasks(tmp_path_factory):
 
 
 def evaluate(tasks: str, model: str, model_args: str) -> dict:
+    # only the local tasks: indexing lm-eval's thousands of built-in task files takes ~14 s a call
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     import kvpolicy.lmeval.model  # noqa: F401  (registers "kvpolicy")
 
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["kvp_local_mc", "kvp_local_gen"],
-                                   task_manager=TaskManager(include_path=tasks), batch_size=4, log_samples=True)
+                                   task_manager=TaskManager(include_path=tasks, include_defaults=False),
+                                   batch_size=4, log_samples=True)
 
 
 def loglikelihoods(result: dict) -> list[list[float]]:

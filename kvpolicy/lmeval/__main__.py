@@ -8,6 +8,30 @@ from __future__ import annotations
 import sys
 
 
+def check_model_args(argv: list[str]) -> None:
+    """A bad recipe or budget in ``--model_args`` of ``--model kvpolicy`` fails now, not after lm-eval has spent
+    ~15 s indexing its tasks."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from .model import checked_arguments
+
+    def value(flag: str) -> str | None:
+        for index, word in enumerate(argv):
+            if word == flag and index + 1 < len(argv):
+                return argv[index + 1]
+            if word.startswith(flag + "="):
+                return word.split("=", 1)[1]
+        return None
+
+    if value("--model") != "kvpolicy":
+        return
+    try:
+        args = simple_parse_args_string(value("--model_args") or "")
+    except Exception:  # a form lm-eval reads differently (JSON): it is checked when the model is built
+        return
+    checked_arguments(**{k: v for k, v in args.items() if k in ("recipe", "budget", "dtype")})
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         from lm_eval.__main__ import cli_evaluate
@@ -23,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     try:
+        check_model_args(sys.argv[1:])
         cli_evaluate()
     except KVPolicyError as error:  # a bad recipe, budget, model folder: one line, as the kvpolicy command says it
         print(f"kvpolicy: error: {error}", file=sys.stderr)

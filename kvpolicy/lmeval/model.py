@@ -29,7 +29,7 @@ from ..errors import KVPolicyError
 from ..hf.models import load_model
 from ..hf.session import attach, cache_keyword
 from ..plan import MAX_TOKENS, Budget
-from ..recipe import load_recipe, with_budget
+from ..recipe import Recipe, load_recipe, with_budget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,6 +49,15 @@ def parse_budget(value: Any) -> Budget:
                         f"from 1 to {MAX_TOKENS} (e.g. budget=512)")
 
 
+def checked_arguments(recipe: Any = "full", budget: Any = None, dtype: Any = "float32") -> Recipe:
+    """The recipe that ``recipe`` and ``budget`` name, or a `KVPolicyError` saying what is wrong with them (or
+    with ``dtype``)."""
+    if dtype not in (None, "auto", *DTYPES):
+        raise KVPolicyError(f"dtype={dtype!r}: give one of {', '.join(DTYPES)}")
+    loaded = load_recipe(str(recipe))
+    return with_budget(loaded, parse_budget(budget)) if budget is not None else loaded
+
+
 @register_model("kvpolicy")
 class KVPolicyLM(HFLM):
     """``--model kvpolicy --model_args pretrained=smollm2,recipe=h2o,budget=0.2``.
@@ -62,11 +71,7 @@ class KVPolicyLM(HFLM):
     def __init__(self, pretrained: str = "smollm2", recipe: str = "full", budget: Any = None,
                  dtype: str | None = "float32", device: str | None = "cpu", rolling_chunk: int = 64,
                  **kwargs: Any) -> None:
-        if dtype not in (None, "auto", *DTYPES):
-            raise KVPolicyError(f"dtype={dtype!r}: give one of {', '.join(DTYPES)}")
-        loaded = load_recipe(str(recipe))
-        if budget is not None:
-            loaded = with_budget(loaded, parse_budget(budget))
+        loaded = checked_arguments(recipe, budget, dtype)
         device = str(device or "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             device = "cpu"  # lm-eval's command line asks for cuda by default; its hf model falls back the same way
