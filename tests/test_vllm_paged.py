@@ -71,9 +71,10 @@ class PagedRequest:
         return [self.blocks[i] for i in logical], logical, schedule.arena(0) if evicted else 0, first, end
 
 
-def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
+def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dtype = torch.float32):
     """``steps``: tokens per request per step (0: the request sits the step out). Returns the largest difference
-    between the two sides' attention outputs over every step."""
+    between the two sides' attention outputs over every step (the paged cache and queries in ``dtype``, as vLLM
+    serves them; the dense reference in fp32)."""
     torch.manual_seed(seed)
     requests = len(steps[0])
     prompts = [steps[0][r] for r in range(requests)]
@@ -82,7 +83,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
     layer = plan.layers[0]
     policies = PagedPolicies(layer.groups)
     total_blocks = 64
-    kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM)
+    kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM, dtype=dtype)
     cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.groups)
     pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
     paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
@@ -110,7 +111,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
             request = paged[r]
             cache.write(keys[r][0].transpose(0, 1), values[r][0].transpose(0, 1), request.slots(counts[r]),
                         torch.arange(request.done, request.done + counts[r]))
-        flat_query = torch.cat([queries[r][0].transpose(0, 1) for r in active])
+        flat_query = torch.cat([queries[r][0].transpose(0, 1) for r in active]).to(dtype)
         starts = dict(zip(active, torch.tensor([0] + [counts[r] for r in active]).cumsum(0).tolist(), strict=False))
         # as the worker calls it: the decode steps in one call, each prompt chunk in a call of its own
         decoding = [r for r in active if counts[r] == 1]
@@ -132,9 +133,17 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0):
             result = attend(queries[r], call)
             layer_ref.end_call(result.stats)
             mine = outputs[r]
-            worst = max(worst, (mine - result.output[0]).abs().max().item())
+            worst = max(worst, (mine.float() - result.output[0]).abs().max().item())
             paged[r].done += counts[r]
     return worst
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_a_bf16_cache_attends_as_fp32_does(policy):
+    # one request alone, before and after its evictions (alone and never evicted it reads its slots in place), and
+    # two together; bf16 K/V and queries as vLLM serves them, so only their rounding separates the two sides
+    steps = [[9, 0], *[[1, 0]] * 8, [0, 12], *DECODE[:10]]
+    assert run_both(recipe(policy, {"tokens": 10}, slack=3), steps, dtype=torch.bfloat16) < 0.05
 
 
 def kept_positions_paged(cache, rows: RowBlocks) -> list[list[int]]:
