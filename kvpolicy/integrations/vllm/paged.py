@@ -57,23 +57,27 @@ class PagedLayerCache:
         # (indexing [block, :, offset] takes torch's slow path; it cost ~0.4 ms a layer at 9 requests)
         head = torch.arange(heads, device=slots.device)
         rows = ((block[:, None] * heads + head) * self.block_size + offset[:, None]).reshape(-1)  # [N * Hkv]
-        flat = lambda tensor: tensor.view(-1) if tensor.dim() == 3 else tensor.view(-1, tensor.shape[-1])  # noqa: E731
         both = self.both_halves()
         if both is not None:
             new = torch.cat([keys, values], dim=-1).to(both.dtype)
-            flat(both).index_copy_(0, rows, new.reshape(count * heads, -1))
+            _slot_rows(both).index_copy_(0, rows, new.reshape(count * heads, -1))
         else:
             self.keys[block, :, offset] = keys.to(self.keys.dtype)
             self.values[block, :, offset] = values.to(self.values.dtype)
-        flat(self.positions).index_copy_(0, rows, positions.to(torch.int32)[:, None].expand(count, heads).reshape(-1))
+        _slot_rows(self.positions).index_copy_(0, rows, positions.to(torch.int32)[:, None].expand(count, heads).reshape(-1))
         for tensor in self.state.values():
-            flat(tensor).index_fill_(0, rows, 0)  # a new token starts with no history
+            _slot_rows(tensor).index_fill_(0, rows, 0)  # a new token starts with no history
 
     def both_halves(self) -> torch.Tensor | None:
         """Keys and values as one [blocks, Hkv, bs, 2D] tensor where they are the two halves of vLLM's slots."""
         if not _halves_of_one_slot(self.keys, self.values):
             return None
         return torch.as_strided(self.keys, (*self.keys.shape[:-1], 2 * self.keys.shape[-1]), self.keys.stride())
+
+
+def _slot_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A cache tensor [blocks, Hkv, bs, ...] as one row per slot (a view: writes land in the cache)."""
+    return tensor.view(-1, *tensor.shape[3:])
 
 
 def _halves_of_one_slot(keys: torch.Tensor, values: torch.Tensor) -> bool:
