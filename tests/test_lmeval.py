@@ -175,6 +175,21 @@ def test_the_command_line_names_a_bad_recipe_in_one_line(tiny, tasks, capsys, mo
     assert status == 2 and last.startswith("kvpolicy: error:") and "h2oo" in last, last
 
 
+@pytest.mark.parametrize("model_args,named", [("pretrained=x,recipe=h2oo", "h2oo"), ("recipe=h2o,budget=1.5", "budget"),
+                                              ("recipe=h2o,dtype=int8", "dtype")])
+def test_bad_model_args_fail_before_lm_eval_starts(monkeypatch, capsys, model_args, named):
+    """A bad recipe, budget or dtype is reported before lm-eval indexes its tasks (~15 s) or loads a model."""
+    import lm_eval.__main__
+
+    from kvpolicy.lmeval.__main__ import main
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: pytest.fail("lm-eval started"))
+    monkeypatch.setattr(sys, "argv", ["kvpolicy.lmeval"])
+    status = main(["run", "--model", "kvpolicy", "--model_args", model_args, "--tasks", "kvp_local_mc"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last.startswith("kvpolicy: error:") and named in last, last
+
+
 def test_the_next_sentence_task_is_real_text_reproducible_and_answerable(tmp_path):
     """kvp_next_sentence: the true continuation is among four distinct choices, the same for the same seed."""
     from pydoc_data.topics import topics
