@@ -9,7 +9,9 @@ step (a StaticCache and ``torch.compile(fullgraph=True)`` of the model's forward
 ``generate(..., cache_implementation="static")`` compiles it) and kvpolicy's (``session.compile()``,
 the `h2o` configuration); their first round compiles and, like every first round, is dropped.
 Configurations are interleaved (A B C A B C ...) and medians reported, with a fixed thread count, so
-a busy machine does not decide the result. Ratios are to plain transformers eager. Text:
+a busy machine does not decide the result. A round's decode time is the mean of its steps, so that work
+done every few steps (a recipe's ``slack``: one eviction per slack + 1 tokens) counts at its share;
+give ``--new-tokens`` of at least twice such a recipe's slack. Ratios are to plain transformers eager. Text:
 `pydoc_data.topics` (or --text-file).
 """
 
@@ -161,7 +163,7 @@ def main() -> None:
                 if repeat:
                     prefills, decodes = samples.setdefault(name, ([], []))
                     prefills.append(prefill)
-                    decodes.append(statistics.median(steps))
+                    decodes.append(statistics.fmean(steps))
         plain_prefill = statistics.median(samples["plain"][0])
         plain_decode = statistics.median(samples["plain"][1])
         for name in configs:

@@ -56,7 +56,7 @@ from transformers import AttentionInterface, DynamicCache
 
 import kvpolicy
 from kvpolicy.hf.session import cache_keyword
-from kvpolicy.storage.key_codecs import BlockKeys
+from kvpolicy.storage.key_codecs import BlockKeys, read_all
 from kvpolicy.storage.quant import ChannelRange, dequantize_per_token, quantize_per_token
 
 CAPTURE_NAME = "kvpolicy_quant_capture"
@@ -157,7 +157,7 @@ def keys_in_blocks_streamed(keys: torch.Tensor, bits: int, step: int = 8, shuffl
         kept = (torch.arange(tokens) < start).expand(*keys.shape[:2], tokens)
         present = torch.ones(*keys.shape[:2], count, dtype=torch.bool)
         codec.write(slots, keys[..., order[start : start + count], :], present, kept)
-    return codec.read_all(tokens, torch.float32)[..., order.argsort(), :]
+    return read_all(codec, tokens, torch.float32)[..., order.argsort(), :]
 
 
 def keys_kivi(keys: torch.Tensor, bits: int, tokens: int = 32) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvpolicy.storage.key_codecs import KEY_BLOCK, KEY_CODECS, BlockKeys
+from kvpolicy.storage.key_codecs import KEY_BLOCK, KEY_CODECS, BlockKeys, read_all
 from kvpolicy.storage.quant import ChannelRange, key_range_bytes
 
 B, H, D = 2, 3, 64
@@ -39,7 +39,7 @@ def test_blocks_written_at_once_are_kivi_groups_exactly(bits):
     groups = keys.view(B, H, 3, KEY_BLOCK, D)
     expected_range = ChannelRange.fit(groups, bits)
     expected = expected_range.decode(expected_range.encode(groups)).flatten(2, 3)
-    assert torch.equal(codec.read_all(3 * KEY_BLOCK, torch.float32), expected)
+    assert torch.equal(read_all(codec, 3 * KEY_BLOCK, torch.float32), expected)
     assert (expected - keys).abs().max() <= expected_range.bound().max()
 
 
@@ -48,7 +48,7 @@ def test_blocks_filled_a_few_at_a_time_stay_within_the_accumulated_bound(bits):
     keys = outlier_keys(100, seed=1)
     codec = BlockKeys(bits, 32, B, H, D, torch.device("cpu"))
     write_all(codec, keys, 5)  # blocks fill over several writes: their ranges widen and re-encode
-    decoded = codec.read_all(100, torch.float32)
+    decoded = read_all(codec, 100, torch.float32)
     bound = codec.accumulated_bound().repeat_interleave(KEY_BLOCK, dim=2).flatten(2, 3)[:, :, :100]
     assert bool(((decoded - keys).abs() <= bound * (1 + 1e-3) + 1e-6).all())
 
@@ -61,7 +61,7 @@ def test_blocks_beat_one_range_per_cell_on_keys_with_drifting_channels():
     for name in ("channel", "cell"):
         codec = KEY_CODECS[name](4, 32, B, H, D, torch.device("cpu"))
         write_all(codec, keys, 8)
-        errors[name] = float((codec.read_all(256, torch.float32) - keys).norm() / keys.norm())
+        errors[name] = float((read_all(codec, 256, torch.float32) - keys).norm() / keys.norm())
     assert errors["channel"] < errors["cell"] / 3, errors
 
 
@@ -71,7 +71,7 @@ def test_reading_slots_equals_reading_all_then_gathering(name):
     codec = KEY_CODECS[name](4, 32, B, H, D, torch.device("cpu"))
     write_all(codec, keys, 7)
     slots = torch.randint(0, 70, (B, H, 20), generator=torch.Generator().manual_seed(0))
-    every = codec.read_all(70, torch.float32)
+    every = read_all(codec, 70, torch.float32)
     assert torch.equal(codec.read(slots, torch.float32), every.gather(2, slots[..., None].expand(-1, -1, -1, D)))
 
 
@@ -89,7 +89,7 @@ def test_an_emptied_block_or_cell_fits_its_next_keys_afresh(name):
     alone = KEY_CODECS[name](4, 32, B, H, D, torch.device("cpu"))
     alone.resize(KEY_BLOCK, 0)
     alone.write(slots, small, present, nothing)
-    assert torch.equal(codec.read_all(KEY_BLOCK, torch.float32), alone.read_all(KEY_BLOCK, torch.float32))
+    assert torch.equal(read_all(codec, KEY_BLOCK, torch.float32), read_all(alone, KEY_BLOCK, torch.float32))
 
 
 @pytest.mark.parametrize("name", sorted(KEY_CODECS))

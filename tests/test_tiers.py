@@ -49,7 +49,7 @@ def random_ids(length: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
 # --- recipes --------------------------------------------------------------------------------------------------------
 def test_builtin_tier_recipes_resolve_and_say_their_tiers():
     mixed = load_recipe("h2o-mixed").resolve(3, 2).describe()
-    assert "0.2 of the prompt's 16-bit bytes in tiers 16-bit 0.5 + 4-bit rest" in mixed
+    assert "0.2 of the prompt's 16-bit bytes (+16 slack) in tiers 16-bit 0.5 + 4-bit rest" in mixed
     kivi = load_recipe("kivi").resolve(3, 2).describe()
     assert "full()" in kivi and "unbounded (+32 slack) in tiers 16-bit 128 tokens + 4-bit rest" in kivi
 

@@ -23,6 +23,7 @@ from .quant import (
     ChannelRange,
     QuantizedRows,
     dequantize_per_token,
+    dequantize_per_token_into,
     key_range_bytes,
     quantize_per_token,
 )
@@ -60,9 +61,9 @@ class TokenRows:
         codes, scale, zero = (t.gather(2, along_slots(slots, t)) for t in (self.codes, self.scale, self.zero))
         return dequantize_per_token(QuantizedRows(codes, scale, zero, self.bits), dtype)
 
-    def read_all(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+    def read_into(self, count: int, out: torch.Tensor) -> None:
         rows = QuantizedRows(self.codes[:, :, :count], self.scale[:, :, :count], self.zero[:, :, :count], self.bits)
-        return dequantize_per_token(rows, dtype)
+        dequantize_per_token_into(rows, out)
 
     def kernel_operand(self) -> Scaled:
         return Scaled(self.codes, self.scale, self.zero, rows=1, group=self.group)
@@ -99,8 +100,8 @@ class CellKeys:
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self.range.decode(self.codes.gather(2, along_slots(slots, self.codes)), dtype)
 
-    def read_all(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.range.decode(self.codes[:, :, :count], dtype)
+    def read_into(self, count: int, out: torch.Tensor) -> None:
+        self.range.decode_into(self.codes[:, :, :count], out)
 
     def kernel_operand(self) -> Scaled:
         return Scaled(self.codes, self.range.scale, self.range.zero, rows=ONE_ROW, group=1)
@@ -173,11 +174,15 @@ class BlockKeys:
                               self.range.zero.squeeze(3).gather(2, block).unsqueeze(3), self.bits)
         return ranges.decode(codes.unsqueeze(3), dtype).squeeze(3)
 
-    def read_all(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        codes = self._padded(self.codes[:, :, :count], 0)
-        blocks = codes.shape[2]
-        ranges = ChannelRange(self.range.scale[:, :, :blocks], self.range.zero[:, :, :blocks], self.bits)
-        return ranges.decode(codes, dtype).flatten(2, 3)[:, :, :count]
+    def read_into(self, count: int, out: torch.Tensor) -> None:
+        whole = count // self.block  # whole blocks, then the last one's first slots
+        for first, blocks, length in ((0, whole, self.block), (whole, 1, count - whole * self.block)):
+            if blocks and length:
+                slots = slice(first * self.block, first * self.block + blocks * length)
+                ranges = ChannelRange(self.range.scale[:, :, first : first + blocks],
+                                      self.range.zero[:, :, first : first + blocks], self.bits)
+                ranges.decode_into(self.codes[:, :, slots].unflatten(2, (blocks, length)),
+                                   out[:, :, slots].unflatten(2, (blocks, length)))
 
     def kernel_operand(self) -> Scaled:
         return Scaled(self.codes, self.range.scale.squeeze(3), self.range.zero.squeeze(3), rows=self.block, group=1)
@@ -199,3 +204,11 @@ class BlockKeys:
 
 
 KEY_CODECS = {"channel": BlockKeys, "cell": CellKeys, "token": TokenRows}
+
+
+def read_all(codec: TokenRows | CellKeys | BlockKeys, count: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A codec's first ``count`` slots decoded into a new [B, Hkv, count, D] tensor (tests, benchmarks)."""
+    batch, heads, _, packed = codec.codes.shape
+    out = torch.empty((batch, heads, count, packed * 8 // codec.bits), dtype=dtype, device=codec.codes.device)
+    codec.read_into(count, out)
+    return out

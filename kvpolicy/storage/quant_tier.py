@@ -38,8 +38,9 @@ class QuantTier:
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys.read(slots, dtype), self.values.read(slots, dtype)
 
-    def read_all(self, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys.read_all(count, dtype), self.values.read_all(count, dtype)
+    def read_into(self, count: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys.read_into(count, keys)
+        self.values.read_into(count, values)
 
     def gather_into_front(self, order: torch.Tensor, width: int) -> None:
         raise NotImplementedError("only the 16-bit tier is packed; a quantized tier keeps holes until tokens move in")

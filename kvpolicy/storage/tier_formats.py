@@ -44,7 +44,9 @@ class TierFormat(Protocol):
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def read_all(self, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def read_into(self, count: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The first ``count`` slots' K/V decoded into ``keys``/``values`` [B, Hkv, count, D] (slices of a workspace)."""
+        ...
 
     def gather_into_front(self, order: torch.Tensor, width: int) -> None: ...
 
@@ -99,8 +101,9 @@ class FloatTier:
         index = along_slots(slots, self.keys)
         return self.keys.gather(2, index).to(dtype), self.values.gather(2, index).to(dtype)
 
-    def read_all(self, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, :count].to(dtype), self.values[:, :, :count].to(dtype)
+    def read_into(self, count: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        keys.copy_(self.keys[:, :, :count])
+        values.copy_(self.values[:, :, :count])
 
     def gather_into_front(self, order: torch.Tensor, width: int) -> None:
         index = along_slots(order, self.keys)

@@ -100,9 +100,15 @@ class TieredStore(KVStore):
     def attention_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V at the compute dtype, slot for slot (a transient copy: workspace, not cache)."""
         if self._view is None:
-            parts = [format_.read_all(self.caps[t], self.compute_dtype) for t, format_ in reversed(list(enumerate(self.tiers)))]
-            keys = torch.cat([k for k, _ in parts], dim=2)[:, :, : self.used]
-            values = torch.cat([v for _, v in parts], dim=2)[:, :, : self.used]
+            batch, heads = self.slots.valid.shape[:2]
+            keys = torch.empty((batch, heads, self.used, self.tiers[0].keys.shape[-1]), dtype=self.compute_dtype,
+                               device=self.slots.valid.device)
+            values = torch.empty_like(keys)
+            for tier, format_ in enumerate(self.tiers):  # the regions tile [0, used): every slot is written
+                start = self.offset(tier)
+                count = max(0, min(self.caps[tier], self.used - start))
+                if count:
+                    format_.read_into(count, keys[:, :, start : start + count], values[:, :, start : start + count])
             self._view = (keys, values)
             self.workspace_bytes = max(self.workspace_bytes, storage_bytes(keys) + storage_bytes(values))
         return self._view
