@@ -34,13 +34,15 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
-        self.slack = max((h.budget.slack for row in row_plans for h in row.heads), default=0)
+        self.recipe_slack = max((h.budget.slack for row in row_plans for h in row.heads), default=0)
+        self.slack = self.recipe_slack
         self.tiers = layer_tiers(row_plans)
         self.tier_costs: TierCosts | None = None  # set by the layer once its tiered store knows its shapes
         self.reset()
 
     def reset(self) -> None:
         self.limits: torch.Tensor | None = None  # [B, Hkv] int64, resolved at the first forward pass
+        self.slack = self.recipe_slack  # a tiered layer may narrow it when its tiers are sized (`waiting_room`)
         self.uniform_limit: int | None = None  # one limit for every cell, once known (the dense decode fast path)
         self.allocated: torch.Tensor | None = None  # [B, Hkv] bool: cells whose limits an allocating policy fixed
         self._allocation_done = False
@@ -93,6 +95,8 @@ class CellBudgets:
         if self.tier_costs is None:
             raise KVPolicyError("a tiered layer's budgets were resolved before its store gave the tiers' costs")
         rows = self.row_plans
+        cells = [(h.budget, int(prompt[b])) for b in range(prompt.shape[0]) for h in rows[b if len(rows) > 1 else 0].heads]
+        self.slack = waiting_room(cells, self.tier_costs, self.recipe_slack)
         sizes = [[tier_sizes(h.budget, int(prompt[b]), self.tier_costs, self.slack)
                   for h in rows[b if len(rows) > 1 else 0].heads] for b in range(prompt.shape[0])]
         self.tier_sizes = torch.tensor(sizes, dtype=torch.long, device=prompt.device).permute(2, 0, 1).contiguous()
@@ -176,6 +180,22 @@ def layer_tiers(row_plans: list[LayerPlan]) -> tuple[Tier, ...]:
         )
     tiers = next(h.budget.precision_tiers for row in row_plans for h in row.heads)
     return tiers
+
+
+#: On a tiered layer whose 16-bit tier is a share of the budget, the tokens waiting there between evictions (the
+#: slack) are at most this part of what the tier would hold with none waiting: a slack sized for long prompts
+#: (h2o-mixed's 16 at 4K tokens) must not crowd the 16-bit tier out on a short one (300 tokens at 20%: ~29 tokens).
+MAX_WAITING_SHARE = 8
+
+
+def waiting_room(cells: list[tuple[Budget, int]], costs: TierCosts, slack: int) -> int:
+    """The slack a tiered layer runs with: the recipe's, at most 1/`MAX_WAITING_SHARE` of the smallest 16-bit tier
+    among its cells (``(budget, prompt tokens)``) whose 16-bit tier pays for its waiting tokens."""
+    paying = [(b, p) for b, p in cells if b.is_limited and b.precision_tiers[0].tokens is None]
+    if not slack or not paying:
+        return slack
+    room = min(tier_sizes(b, p, costs, 0)[0] + 1 for b, p in paying)  # the tier with nothing but the next token waiting
+    return min(slack, room // MAX_WAITING_SHARE)
 
 
 def tier_sizes(budget: Budget, prompt: int, costs: TierCosts, slack: int) -> list[int]:

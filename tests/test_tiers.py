@@ -10,7 +10,7 @@ import torch
 from helpers import uniform_plan
 from tiny_models import VOCAB, tiny_model
 
-from kvpolicy.budgets import tier_sizes
+from kvpolicy.budgets import tier_sizes, waiting_room
 from kvpolicy.errors import KVPolicyError, RecipeError
 from kvpolicy.hf.session import attach
 from kvpolicy.plan import Budget, Tier
@@ -105,6 +105,18 @@ def test_tier_sizes_from_tokens_and_from_bytes():
     assert tier_sizes(Budget(memory=0.2, slack=3), 1000, alone, slack=3) == [math.floor(0.2 * 1000 * 256) // 265 - 4]
     fixed = (Tier(16, tokens=64), Tier(2))
     assert tier_sizes(Budget(tiers=fixed), 1000, COSTS, slack=0)[0] == 64  # nothing bounds the rest
+
+
+def test_the_slack_waits_in_at_most_an_eighth_of_the_16_bit_tier():
+    """h2o-mixed's slack of 16 holds at 4K tokens, but on a 300-token prompt it would take over half of the 16-bit tier
+    (measured on SmolLM2, 300 + 100 tokens at 20%: perplexity 14.44 with 16 waiting, against 14.22 for eviction alone)."""
+    mixed = Budget(memory=0.2, slack=16, tiers=(Tier(16, share=0.5), Tier(4)))
+    assert waiting_room([(mixed, 4000)], COSTS, 16) == 16
+    room = tier_sizes(mixed, 300, COSTS, 0)[0] + 1
+    assert room < 40 and waiting_room([(mixed, 300)], COSTS, 16) == room // 8
+    assert waiting_room([(mixed, 4000), (mixed, 300)], COSTS, 16) == room // 8  # one slack per layer: the tightest
+    kivi = Budget(slack=32, tiers=(Tier(16, tokens=128), Tier(4)))  # a 16-bit tier in tokens: waiting costs it nothing
+    assert waiting_room([(kivi, 300)], COSTS, 32) == 32
 
 
 def test_a_memory_budget_too_small_for_its_tiers_says_so():
@@ -240,6 +252,20 @@ def test_compare_at_equal_bytes(tiny, tmp_path, capsys):
     fidelity = {r["recipe"]: r for r in rows if r["task"] == "fidelity"}
     assert fidelity["full"]["kl"] == 0.0 and fidelity["kivi2"]["kl"] > 0 and fidelity["mixed16"]["kl"] > 0
     assert "30% bytes" in capsys.readouterr().out
+    # the quality plot puts the recipe that keeps every token at the bytes its memory row measured
+    from kvpolicy.commands.common import pyplot
+    from kvpolicy.commands.compare_report import _panel, own_bytes_of
+
+    own = own_bytes_of(rows)
+    kivi_bytes = next(r["bytes_vs_16bit"] for r in rows if r["task"] == "memory" and r["recipe"] == "kivi2")
+    assert set(own) == {"kivi2"} and own["kivi2"] == pytest.approx(100 * kivi_bytes) and 0 < kivi_bytes < 2
+    figure, ax = pyplot().subplots()
+    _panel(ax, [r for r in rows if r["task"] == "ppl"], "ppl", {"0.3 mem": 30.0}, own)
+    drawn = {line.get_label(): line for line in ax.get_lines()}
+    point = next(line for label, line in drawn.items() if label.startswith("kivi2"))
+    assert list(point.get_xdata()) == [pytest.approx(100 * kivi_bytes)]
+    assert list(drawn["h2o"].get_xdata()) == [30.0]
+    pyplot().close(figure)
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
     ratios = memory or all("." in b for b in budgets)
     tokens = all("." not in b for b in budgets)
     x_of = {b: (budget_number(b) * 100 if ratios else float(b)) if ratios or tokens else i for i, b in enumerate(budgets)}
+    own_bytes = own_bytes_of(sweep) if memory else {}
     paths = []
     for figure, panels in figures.items():
         cols = 2 if len(panels) == 4 else min(4 if len(panels) > 9 else 3, len(panels))
@@ -77,7 +78,7 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
             ax.set_visible(False)
         for ax, (task, metric, label) in zip(axes.flat, panels, strict=False):
             _panel(ax, [r for r in sweep if (r["task"], r.get("length")) == task and r.get(metric) is not None],
-                   metric, x_of)
+                   metric, x_of, own_bytes)
             ax.set_title(label, fontsize=10)
             ax.set_xlabel("budget, % of a 16-bit cache's bytes" if memory else "budget, % of the prompt (ppl: of the text)"
                           if ratios else "budget, tokens" if tokens else "budget")
@@ -100,13 +101,27 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
 _MARKERS = "os^DvP*X"
 
 
-def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, float]) -> None:
-    """One metric vs budget: a line per recipe (markers shrink so that equal lines stay visible), full dashed."""
+def own_bytes_of(sweep: list[dict[str, Any]]) -> dict[str, float]:
+    """% of a 16-bit cache's bytes that the memory task measured for each recipe that keeps every token (kivi,
+    transformers' QuantizedCache; not full): at equal bytes such a recipe is a point on the budget axis, not a line."""
+    return {r["recipe"]: 100 * r["bytes_vs_16bit"] for r in sweep if r["task"] == "memory" and r["budget"] is None
+            and r["recipe"] != "full" and r.get("bytes_vs_16bit") is not None}
+
+
+def _panel(ax: Any, results: list[dict[str, Any]], metric: str, x_of: dict[str, float],
+           own_bytes: dict[str, float] | None = None) -> None:
+    """One metric vs budget: a line per recipe (markers shrink so that equal lines stay visible), full dashed; a
+    recipe in ``own_bytes`` (% of a 16-bit cache's bytes it measured) as one point there."""
     recipes = list(dict.fromkeys(r["recipe"] for r in results))
     values = [r[metric] for r in results]
     drawn = 0
     for recipe in recipes:
         mine = [r for r in results if r["recipe"] == recipe]
+        if all(r["budget"] is None for r in mine) and recipe in (own_bytes or {}):
+            ax.plot([own_bytes[recipe]], [mine[0][metric]], marker=_MARKERS[drawn % len(_MARKERS)], linestyle="none",
+                    markersize=8, color=f"C{drawn}", label=f"{recipe} (no eviction, {own_bytes[recipe]:.0f}% bytes)")
+            drawn += 1
+            continue
         if all(r["budget"] is None for r in mine):
             own = bool(mine[0].get("evicts"))  # FastGen: evicts by budgets of its own, one figure at every budget
             full = recipe == "full"  # the others that keep every token (kivi, transformers' QuantizedCache): -.
