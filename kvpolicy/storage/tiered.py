@@ -134,9 +134,17 @@ class TieredStore(KVStore):
         self._view = None
 
     def wants_scores(self) -> bool:
-        """The 16-bit tier is over its size by more than the slack: tokens must move down even below the budget."""
-        top = self.sizing.tier_sizes
-        return top is not None and self.top_tokens - int(top[0].min()) > self.sizing.slack
+        """A cell's 16-bit tier is over its size by more than the slack: tokens must move down even below the budget."""
+        sizes, slack = self.sizing.tier_sizes, self.sizing.slack
+        if sizes is None or self.top_tokens - int(sizes[0].min()) <= slack:
+            return False
+        if self.top_tokens - int(sizes[0].max()) > slack:
+            return True
+        # cells of different sizes (rows of different budgets in one batch): the packed width is the largest cell's,
+        # so count each cell's own 16-bit tokens, or the smallest tier would end the slack of every cell at every step
+        start = self.offset(0)
+        held = self.slots.valid[:, :, start : self.used].sum(dim=2)
+        return bool((held - sizes[0] > slack).any())
 
     def drop_one(self, victim: torch.Tensor) -> None:
         raise NotImplementedError("the layer takes its packed decode path on dense storage only")
