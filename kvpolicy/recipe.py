@@ -216,10 +216,13 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
 def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
     """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs).
 
-    The recipe's precision tiers stay unless ``budget`` gives its own: a sweep over amounts keeps
-    each recipe's way of spending them."""
+    The recipe's precision tiers and slack stay unless ``budget`` gives its own (a slack above 0): a
+    sweep over amounts keeps each recipe's way of spending them (Scissorhands drops 16 tokens at once,
+    h2o-mixed moves 16 down a tier at once, at every amount)."""
     if not isinstance(budget, Budget):
         raise TypeError(f"expected a kvpolicy.plan.Budget, got {budget!r}")
     if not budget.tiers and recipe.budget is not None and recipe.budget.tiers:
         budget = dataclasses.replace(budget, tiers=recipe.budget.tiers)
+    if not budget.slack and recipe.budget is not None and recipe.budget.slack:
+        budget = dataclasses.replace(budget, slack=recipe.budget.slack)
     return dataclasses.replace(recipe, budget=budget)

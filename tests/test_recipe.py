@@ -98,6 +98,16 @@ def test_with_budget():
         with_budget(recipe, {"tokens": 1})
 
 
+def test_a_budget_sweep_keeps_the_recipes_slack_and_tiers():
+    """compare swaps in each --budgets amount: Scissorhands still drops 16 at once, h2o-mixed still moves 16 down a tier
+    at once (a sweep dropped both slacks, and h2o-mixed ranked its layers at every token)."""
+    scissorhands = with_budget(load_recipe("scissorhands"), Budget(ratio=0.1))
+    assert scissorhands.budget == Budget(ratio=0.1, slack=16)
+    mixed = with_budget(load_recipe("h2o-mixed"), Budget(memory=0.3))
+    assert mixed.budget.slack == 16 and mixed.budget.tiers == load_recipe("h2o-mixed").budget.tiers
+    assert with_budget(load_recipe("scissorhands"), Budget(ratio=0.1, slack=4)).budget.slack == 4  # its own wins
+
+
 # --- rules and selectors ----------------------------------------------------------------------
 
 
