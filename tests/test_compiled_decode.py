@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tiny_models import padded_batch, tiny_model
@@ -24,7 +26,10 @@ def model():
 
 
 def recipe(name: str, **budget):
-    return with_budget(load_recipe(name), Budget(**(budget or {"tokens": BUDGET})))
+    """The built-in policy at a fixed budget with no slack (a recipe's slack, such as Scissorhands' 16, would keep the
+    step eager: compaction every slack + 1 steps changes shapes)."""
+    swept = with_budget(load_recipe(name), Budget(**(budget or {"tokens": BUDGET})))
+    return dataclasses.replace(swept, budget=dataclasses.replace(swept.budget, slack=budget.get("slack", 0)))
 
 
 class CountingBackend:
