@@ -97,9 +97,9 @@ class CellBudgets:
         rows = self.row_plans
         cells = [(h.budget, int(prompt[b])) for b in range(prompt.shape[0]) for h in rows[b if len(rows) > 1 else 0].heads]
         self.slack = waiting_room(cells, self.tier_costs, self.recipe_slack)
-        sizes = [[tier_sizes(h.budget, int(prompt[b]), self.tier_costs, self.slack)
-                  for h in rows[b if len(rows) > 1 else 0].heads] for b in range(prompt.shape[0])]
-        self.tier_sizes = torch.tensor(sizes, dtype=torch.long, device=prompt.device).permute(2, 0, 1).contiguous()
+        sizes = torch.tensor([tier_sizes(budget, tokens, self.tier_costs, self.slack) for budget, tokens in cells],
+                             dtype=torch.long, device=prompt.device)  # [B * Hkv, T], rows first
+        self.tier_sizes = sizes.view(prompt.shape[0], -1, len(self.tiers)).permute(2, 0, 1).contiguous()
         total = self.tier_sizes.sum(dim=0)
         self.limits = torch.where(self.limited_cells.to(prompt.device), total, self.limits)
 

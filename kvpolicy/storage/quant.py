@@ -216,8 +216,9 @@ def dequantize_per_token_into(rows: QuantizedRows, out: torch.Tensor) -> None:
 
 def dequantize_per_token(rows: QuantizedRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The [..., T, D] tensor of ``dtype`` that `quantize_per_token` stored in ``rows``."""
-    codes = unpack(rows.packed, rows.bits, rows.head_dim).unflatten(-1, (rows.scale.shape[-1], rows.group))
-    return _decode(codes, rows.scale[..., None], rows.zero[..., None], dtype).flatten(-2)
+    out = rows.packed.new_empty((*rows.packed.shape[:-1], rows.head_dim), dtype=dtype)
+    dequantize_per_token_into(rows, out)
+    return out
 
 
 # --- keys: per channel, one range per cell ---------------------------------------------------------------
@@ -372,8 +373,11 @@ class ChannelRange:
 
     def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The keys [..., T, D] of ``dtype`` that ``codes`` (uint8 [..., T, D * bits / 8]) hold on this range."""
-        self._check_codes(codes)
-        return _decode(unpack(codes, self.bits, self.head_dim), self.scale, self.zero, dtype)
+        self._check_codes(codes)  # before the shapes are read: a bad input gets the message that names it
+        out = codes.new_empty((*torch.broadcast_shapes(codes.shape[:-1], self.scale.shape[:-1]), self.head_dim),
+                              dtype=dtype)
+        self.decode_into(codes, out)
+        return out
 
 
 # --- bytes -----------------------------------------------------------------------------------------------
