@@ -262,6 +262,11 @@ def test_paged_plan_of_the_builtin_recipes():
     assert paged_plan(Settings(recipe="full"), 30, 3, 32) is None  # evicts nothing: vLLM runs stock
     assert paged_plan(Settings(recipe="h2o", slack=0), 30, 3, 32).slack == 0
     assert paged_plan(Settings(recipe="h2o", budget=64), 30, 3, 32).rules == (BudgetRule(tokens=64),)
+    # the entry's budget over a recipe with no budget of its own keeps the recipe's slack (none here)
+    bare = {"kvpolicy": 1, "policy": "streaming", "params": {"sinks": 4}}
+    assert paged_plan(Settings(recipe=bare, budget=64), 30, 3, 32).rules == (BudgetRule(tokens=64),)
+    sparse = {"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2, "slack": 40}}
+    assert paged_plan(Settings(recipe=sparse, budget=0.1), 30, 3, 32).slack == 40
 
 
 @pytest.mark.parametrize("spec,words", [

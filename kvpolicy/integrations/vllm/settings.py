@@ -6,7 +6,6 @@ one line naming the recipe key and what to use instead (vLLM shows it as the eng
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +98,7 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     recipe = load_recipe(settings.recipe, registry)
     if settings.budget is not None:
         budget = Budget(tokens=settings.budget) if type(settings.budget) is int else Budget(ratio=settings.budget)
-        recipe = with_budget(recipe, dataclasses.replace(budget, slack=recipe.budget.slack))
+        recipe = with_budget(recipe, budget)  # keeps the recipe's slack and tiers
     plan = recipe.resolve(num_layers, num_kv_heads)
     where = f"recipe {plan.name!r} ({plan.source})"
     policies: dict[tuple[str, str], Policy] = {}
