@@ -16,7 +16,7 @@ import torch
 
 from kvpolicy.backend.dispatch import attend
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks
+from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks, Workspace
 from kvpolicy.integrations.vllm.schedule import BudgetRule, RequestSchedule
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.layer import PolicyLayer
@@ -202,6 +202,21 @@ def test_paged_and_dense_keep_the_same_tokens():
         dense.end_call(attend(query, dense.begin_call(None, 0.3)).stats)
         request.done += count
     assert request.worker_view.states[0].evicted_at is not None
+
+
+def test_gathering_into_a_workspace_gives_the_blocks_and_reuses_its_buffer():
+    torch.manual_seed(4)
+    cache = torch.randn(12, HKV, BLOCK, DIM, dtype=torch.bfloat16)
+    rows = RowBlocks.of([([3, 7, 1], [0, 1, 2], 0, 0, 3 * BLOCK), ([5, 2, 0], [0, 1, -1], 0, 0, 2 * BLOCK)], BLOCK)
+    expected = torch.stack([torch.cat([cache[b, h] for b in blocks], dim=0)
+                            for blocks in ([3, 7, 1], [5, 2, 0]) for h in range(HKV)]).view(2, HKV, 3 * BLOCK, DIM)
+    workspace = Workspace()
+    first = rows.gather(cache, (workspace, "keys", torch.float32))
+    assert first.dtype == torch.float32 and torch.equal(first, expected.float())
+    again = rows.gather(cache[..., : DIM // 2], (workspace, "keys", torch.float32))  # a smaller, strided source
+    assert torch.equal(again, expected[..., : DIM // 2].float())
+    assert again.data_ptr() == first.data_ptr()  # the same buffer, not a fresh allocation per layer
+    assert torch.equal(rows.gather(cache), expected)  # without a workspace: a copy of its own
 
 
 def test_schedule_frees_whole_blocks_and_holds_the_budget():

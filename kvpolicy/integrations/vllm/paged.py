@@ -10,6 +10,7 @@ arena (`schedule`), so heads hold different tokens in the same blocks and the bl
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,25 @@ def _halves_of_one_slot(keys: torch.Tensor, values: torch.Tensor) -> bool:
             and keys.stride(-2) == 2 * dim and keys.stride(-1) == 1)
 
 
+class Workspace:
+    """Buffers reused from one call to the next, grown as needed: what a layer's attention reads for one step.
+    What `take` returns is valid until the next `take` of that name (the next layer), so it must not escape."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key, size = (name, dtype, torch.device(device)), math.prod(shape)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(shape)
+
+
+#: the K/V every layer's attention reads, gathered from the blocks (one engine runs its layers one after another)
+GATHER_WORKSPACE = Workspace()
+
+
 @dataclass
 class RowBlocks:
     """The blocks a batch of requests reads in one layer, in logical order, padded at the end with block 0 (vLLM's
@@ -131,10 +151,20 @@ class RowBlocks:
             index = self._flat_rows[heads] = (self.blocks[:, None, :] * heads + head[None, :, None]).reshape(-1)
         return index
 
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (one copy of whole blocks)."""
+    def gather(self, tensor: torch.Tensor, into: tuple[Workspace, str, torch.dtype] | None = None) -> torch.Tensor:
+        """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (one copy of whole blocks).
+        ``into``: (workspace,
+        name, dtype): the copy lands in that workspace buffer, converted to ``dtype``, valid until its next use."""
         rows, heads = self.blocks.shape[0], tensor.shape[1]
-        picked = tensor.view(-1, *tensor.shape[2:]).index_select(0, self._rows_of(heads))  # [R * Hkv * nblk, bs, ...]
+        source, index = tensor.view(-1, *tensor.shape[2:]), self._rows_of(heads)
+        if into is None:
+            picked = source.index_select(0, index)  # [R * Hkv * nblk, bs, ...]
+        else:
+            workspace, name, dtype = into
+            shape = (index.numel(), *source.shape[1:])
+            picked = torch.index_select(source, 0, index, out=workspace.take(name, shape, tensor.dtype, tensor.device))
+            if dtype != tensor.dtype:
+                picked = workspace.take(f"{name}:{dtype}", shape, dtype, tensor.device).copy_(picked)
         return picked.view(rows, heads, -1, *tensor.shape[3:])[:, :, : self.width]
 
     def scatter(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
@@ -232,16 +262,17 @@ class PagedPolicies:
         at ``query_positions`` [R, q] over the requests' blocks; the policies observe its statistics.
         Returns the output [R, q, Hq, D]."""
         positions, valid = rows.layout(rows.gather(cache.positions))
-        dim = cache.keys.shape[-1]
-        both = cache.both_halves()
-        if both is not None:  # one gather for keys and values
-            gathered = rows.gather(both)  # [R, Hkv, T, 2D]
-            if self.needs or query_index.shape[1] == 1:
-                # the torch path computes these in fp32: one conversion here, not one per matmul or query chunk
-                gathered = gathered.float()
+        # the torch path computes these in fp32: one conversion here, not one per matmul or query chunk
+        dtype = torch.float32 if self.needs or query_index.shape[1] == 1 else cache.keys.dtype
+        # into buffers reused by every layer and step: a fresh multi-MB copy per layer made glibc map and fault in
+        # new pages each time (index_select into a reused buffer took half the time)
+        dim, both = cache.keys.shape[-1], cache.both_halves()
+        if both is not None:  # one gather for keys and values (faster than two of strided halves, matmuls included)
+            gathered = rows.gather(both, (GATHER_WORKSPACE, "kv", dtype))  # [R, Hkv, T, 2D]
             keys, values = gathered[..., :dim], gathered[..., dim:]
         else:
-            keys, values = rows.gather(cache.keys), rows.gather(cache.values)
+            keys = rows.gather(cache.keys, (GATHER_WORKSPACE, "keys", dtype))
+            values = rows.gather(cache.values, (GATHER_WORKSPACE, "values", dtype))
         query_valid = query_index >= 0
         grouped_query = query[query_index.clamp(min=0)].permute(0, 2, 1, 3).to(keys.dtype)  # [R, Hq, q, D]
         width = query_index.shape[1]
