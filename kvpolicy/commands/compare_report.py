@@ -85,8 +85,10 @@ def plot_sweep(sweep: list[dict[str, Any]], tasks: list[Task], folder: Path) -> 
             if not (ratios or tokens):
                 ax.set_xticks(list(x_of.values()), budgets)
         handles, labels = axes[0][0].get_legend_handles_labels()
-        # more recipes (baselines, tiers): the legend wraps, the figure grows; one panel is too narrow for 4 columns
-        ncol = max(1, min(len(labels), 4 if cols > 1 else 2))
+        # more recipes (baselines, tiers): the legend wraps, the figure grows; one panel is too narrow for 4 columns,
+        # and for 2 of long labels ("hf-hqq-4bit (no eviction, 38% bytes)" was cut at both edges)
+        widest = max((len(label) for label in labels), default=0)
+        ncol = max(1, min(len(labels), 4 if cols > 1 else 2 if widest <= 24 else 1))
         lines = -(-len(labels) // ncol) if labels else 1
         height = 3.4 * grid + 0.25 + 0.25 * lines
         fig.set_size_inches(fig.get_size_inches()[0], height)
