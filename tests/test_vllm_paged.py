@@ -217,6 +217,9 @@ def test_gathering_into_a_workspace_gives_the_blocks_and_reuses_its_buffer():
     assert torch.equal(again, expected[..., : DIM // 2].float())
     assert again.data_ptr() == first.data_ptr()  # the same buffer, not a fresh allocation per layer
     assert torch.equal(rows.gather(cache), expected)  # without a workspace: a copy of its own
+    with torch.inference_mode():  # vLLM runs its steps in inference mode; a benchmark then calls outside it
+        inside = rows.gather(cache, (workspace, "values", torch.float32))
+    assert inside.is_inference() and torch.equal(rows.gather(cache, (workspace, "values", torch.float32)), inside)
 
 
 def test_schedule_frees_whole_blocks_and_holds_the_budget():

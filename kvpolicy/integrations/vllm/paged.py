@@ -92,10 +92,12 @@ class Workspace:
     What `take` returns is valid until the next `take` of that name (the next layer), so it must not escape."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        self._buffers: dict[tuple[str, torch.dtype, torch.device, bool], torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key, size = (name, dtype, torch.device(device)), math.prod(shape)
+        # a buffer made under inference mode (vLLM's steps) cannot be written outside it (a benchmark's call): one each
+        key = (name, dtype, torch.device(device), torch.is_inference_mode_enabled())
+        size = math.prod(shape)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < size:
             buffer = self._buffers[key] = torch.empty(size, dtype=dtype, device=device)
