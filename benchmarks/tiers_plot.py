@@ -16,8 +16,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvpolicy.commands.compare import _tasks
 from kvpolicy.commands.compare_report import plot_sweep
+from kvpolicy.tasks import available_tasks
+from kvpolicy.tasks.lengths import at_lengths
 
 RESULTS = Path(__file__).parent / "results" / "cpu-2026-12-02"
 RENAME = {"eq4000-tiers": {"h2o-mixed": "h2o-mixed, no decay"}, "eq4000-more": {"h2o-mixed": "h2o-mixed, no decay"},
@@ -42,12 +43,12 @@ def sweep(folder: Path = RESULTS) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "docs" / "img" / "tiers-ppl-4000.png")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
-        [path] = plot_sweep(sweep(), _tasks(["ppl"], [4000]), Path(folder))
+        [path] = plot_sweep(sweep(), at_lengths([available_tasks()["ppl"]], [4000]), Path(folder))
         shutil.copyfile(path, args.out)
     print(args.out)
 

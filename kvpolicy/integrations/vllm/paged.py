@@ -155,8 +155,8 @@ class RowBlocks:
 
     def gather(self, tensor: torch.Tensor, into: tuple[Workspace, str, torch.dtype] | None = None) -> torch.Tensor:
         """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...] (one copy of whole blocks).
-        ``into``: (workspace,
-        name, dtype): the copy lands in that workspace buffer, converted to ``dtype``, valid until its next use."""
+        ``into``: (workspace, name, dtype): the copy lands in that workspace buffer, converted to ``dtype``, valid
+        until that name's next use."""
         rows, heads = self.blocks.shape[0], tensor.shape[1]
         source, index = tensor.view(-1, *tensor.shape[2:]), self._rows_of(heads)
         if into is None:
@@ -266,8 +266,8 @@ class PagedPolicies:
         positions, valid = rows.layout(rows.gather(cache.positions))
         # the torch path computes these in fp32: one conversion here, not one per matmul or query chunk
         dtype = torch.float32 if self.needs or query_index.shape[1] == 1 else cache.keys.dtype
-        # into buffers reused by every layer and step: a fresh multi-MB copy per layer made glibc map and fault in
-        # new pages each time (index_select into a reused buffer took half the time)
+        # into buffers reused by every layer and step: in isolation, index_select into a reused buffer took half the
+        # time of one into a fresh multi-MB tensor (end to end, at most ~10% of the layer, within this CPU's noise)
         dim, both = cache.keys.shape[-1], cache.both_halves()
         if both is not None:  # one gather for keys and values (faster than two of strided halves, matmuls included)
             gathered = rows.gather(both, (GATHER_WORKSPACE, "kv", dtype))  # [R, Hkv, T, 2D]
