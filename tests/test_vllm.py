@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv-vllm"
 PYTHON = VENV / "bin" / "python"
 BLOCK, SLACK, NEW_TOKENS = 32, 31, 64
+CHUNK = 128  # prompt tokens per engine step, where a test asks vLLM for chunked prefill
 PROMPT_LENGTHS = (760, 1001)
 
 
@@ -80,6 +81,10 @@ def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, di
         "full": engine_job(smollm2_dir, {"recipe": "full"}, prompts, NEW_TOKENS),
         "streaming": engine_job(smollm2_dir, {"recipe": "streaming"}, prompts, NEW_TOKENS),
         "h2o": engine_job(smollm2_dir, {"recipe": str(ROOT / "recipes" / "h2o.yaml")}, prompts, NEW_TOKENS),
+        # prompts in chunks of at most CHUNK tokens, evicting between them (a ratio budget known from the start)
+        "h2o during prefill": engine_job(smollm2_dir, {"recipe": str(ROOT / "recipes" / "h2o.yaml"),
+                                                       "evict_during_prefill": True}, prompts, NEW_TOKENS,
+                                         max_num_batched_tokens=CHUNK),
         "misspelt": engine_job(smollm2_dir, {"recipe": "h2oo"}, prompts[:1], 4),
         "adakv": engine_job(smollm2_dir, {"recipe": "adakv"}, prompts[:1], 4),
         "prefix caching": engine_job(smollm2_dir, {"recipe": "h2o"}, prompts[:1], 4, enable_prefix_caching=True),
@@ -116,6 +121,53 @@ def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> li
     finally:
         session.detach()
     return out[0, len(prompt):].tolist()
+
+
+def reference_in_chunks(model, recipe_name: str, prompt: list[int], new_tokens: int, starts: list[int]) -> list[int]:
+    """kvpolicy's transformers path fed the prompt in the chunks vLLM ran (``starts``: each chunk's first token),
+    with the ratio budget resolved from the prompt's length up front (``new_cache(prompt_tokens=...)``)."""
+    import kvpolicy
+    from kvpolicy.plan import Budget
+    from kvpolicy.recipe import load_recipe, with_budget
+    from kvpolicy.tasks.base import forward
+
+    recipe = load_recipe(recipe_name)
+    recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))
+    session = kvpolicy.attach(model, recipe)
+    ids, tokens = torch.tensor([prompt]), []
+    try:
+        cache = session.new_cache(prompt_tokens=len(prompt))
+        bounds = sorted(set(starts) | {len(prompt)})
+        with torch.inference_mode():
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+                logits = forward(model, ids[:, lo:hi], cache).logits[:, -1]
+            for _ in range(new_tokens):
+                token = logits.argmax(dim=-1, keepdim=True)
+                tokens.append(int(token))
+                logits = forward(model, token, cache).logits[:, -1]
+    finally:
+        session.detach()
+    return tokens
+
+
+def test_eviction_during_prefill_holds_the_budget_and_equals_the_transformers_path_fed_alike(
+        results, prompts, reference_model):
+    """With evict_during_prefill and vLLM's chunked prefill, a request evicts between its prompt's chunks: read from
+    vLLM's block manager, it never holds much more than its budget and two chunks, where without it, it holds its
+    whole prompt; its greedy text is kvpolicy's transformers path fed the same chunks."""
+    got, whole = results["h2o during prefill"], results["h2o"]
+    assert "error" not in got, got.get("error")
+    for index, prompt in enumerate(prompts):
+        records = got["blocks"][index]
+        starts = sorted({processed for processed, _, _ in records if processed < len(prompt)})
+        assert len(starts) >= len(prompt) // CHUNK, starts  # the prompt did come in chunks
+        budget = math.ceil(len(prompt) * 0.2)
+        in_prefill = max(held for processed, held, _ in records if processed <= len(prompt))
+        assert in_prefill <= math.ceil((budget + SLACK + 1) / BLOCK) + 2 * CHUNK // BLOCK + 1, records
+        held_whole = max(held for processed, held, _ in whole["blocks"][index] if processed <= len(prompt))
+        assert held_whole >= len(prompt) // BLOCK and in_prefill < held_whole * 0.6
+        expected = reference_in_chunks(reference_model, "h2o", prompt, NEW_TOKENS, starts)
+        assert got["tokens"][index] == expected, f"prompt {index} ({len(prompt)} tokens)"
 
 
 def test_eviction_off_is_stock_vllm(results):

@@ -252,6 +252,24 @@ def test_schedule_waits_for_the_prompt_and_answers_a_repeated_start_alike():
         schedule.start_step(5, prefilling=False)
 
 
+def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evicts_between_chunks():
+    whole = RequestSchedule((BudgetRule(ratio=0.2),), slack=31, block_size=32)
+    during = RequestSchedule((BudgetRule(ratio=0.2),), slack=31, block_size=32, evict_during_prefill=True)
+    prompt, chunk = 1000, 128
+    decisions = {"whole": [], "during": []}
+    for start in range(0, prompt, chunk):
+        decisions["whole"].append(whole.start_step(start, prefilling=True, prompt_tokens=prompt)[0])
+        decisions["during"].append(during.start_step(start, prefilling=True, prompt_tokens=prompt)[0])
+        assert during.held_tokens()[0] <= 200 + 31 + chunk
+    assert not any(decisions["whole"]) and whole.states[0].budget is None  # waits for the whole prompt
+    assert during.states[0].budget == 200
+    # held 256 > 200 + 31 at the third chunk's start: back to 200; then at every chunk (200 + 128 > 231)
+    assert decisions["during"] == [False, False, True, True, True, True, True, True]
+    assert whole.start_step(prompt, prefilling=False) == (True,) and whole.states[0].budget == 200
+    lo, hi = during.empty_blocks()
+    assert (lo, hi) == (during.arena(0), 896 // 32)  # the blocks the last eviction emptied, freed a step later
+
+
 # --- settings: what a user writes, and what a paged engine refuses -------------------------------------------
 
 
@@ -260,6 +278,7 @@ def test_settings_read_the_users_entry():
     assert read_settings({"other": 1}) is None
     assert read_settings({"kvpolicy": "h2o"}) == Settings(recipe="h2o")
     assert read_settings({"kvpolicy": {"recipe": "h2o", "budget": 0.1, "slack": 0}}) == Settings("h2o", 0.1, 0)
+    assert read_settings({"kvpolicy": {"recipe": "h2o", "evict_during_prefill": True}}).evict_during_prefill
     for bad, words in [
         ({"kvpolicy": 3}, "must be a mapping"),
         ({"kvpolicy": {"recipe": "h2o", "budgte": 0.2}}, "unknown key 'budgte'"),
@@ -267,6 +286,7 @@ def test_settings_read_the_users_entry():
         ({"kvpolicy": {"recipe": "h2o", "budget": 1.5}}, "\\['budget'\\]"),
         ({"kvpolicy": {"recipe": "h2o", "budget": True}}, "\\['budget'\\]"),
         ({"kvpolicy": {"recipe": "h2o", "slack": -1}}, "\\['slack'\\]"),
+        ({"kvpolicy": {"recipe": "h2o", "evict_during_prefill": "yes"}}, "\\['evict_during_prefill'\\]"),
     ]:
         with pytest.raises(KVPolicyError, match=words):
             read_settings(bad)

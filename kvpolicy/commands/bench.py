@@ -56,6 +56,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="transformers (default), or vllm: requests served by vLLM under a fixed KV memory, full cache vs "
              "recipes (runs in the vLLM environment: docs/vllm.md)")
     add("--vllm-python", help="the vLLM environment's Python (default: $KVPOLICY_VLLM_PYTHON or .venv-vllm/bin/python)")
+    add("--prefill-chunk", type=int, default=None,
+        help="with --engine vllm: tokens per engine step (vLLM's max_num_batched_tokens), so long prompts come in chunks")
+    add("--evict-during-prefill", action="store_true",
+        help="with --engine vllm: recipes evict between a prompt's chunks (docs/vllm.md, evict_during_prefill)")
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -150,6 +154,10 @@ def _check(args: argparse.Namespace) -> None:
         raise KVPolicyError(f"--stream-tokens {args.stream_tokens}: must be at least 1")
     if args.stream_tokens is None and args.recipe:
         raise KVPolicyError("--recipe names the recipe of a --stream-tokens run; for throughput use --recipes")
+    if args.engine != "vllm" and (args.prefill_chunk is not None or args.evict_during_prefill):
+        raise KVPolicyError("--prefill-chunk and --evict-during-prefill are options of --engine vllm")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise KVPolicyError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
     if args.engine == "transformers" and args.kv_memory is None:
         args.kv_memory = "512MiB"
     if args.kv_memory is not None:

@@ -40,6 +40,10 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--text", args.text_file]
     if args.model != "smollm2":
         argv += ["--model", args.model]
+    if args.prefill_chunk:
+        argv += ["--prefill-chunk", str(args.prefill_chunk)]
+    if args.evict_during_prefill:
+        argv += ["--evict-during-prefill"]
     if args.out:
         argv += ["--out", args.out]
     return argv

@@ -12,6 +12,8 @@ in the second, one row per token: ``[blocks, kv_heads, block_size, head_dim]`` e
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +65,7 @@ class KVPolicyCPUBackend(CPUAttentionBackend):
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
             raise KVPolicyError(f"kvpolicy: the vLLM integration runs models whose layers are all full attention; "
                                 f"this one has a {type(spec).__name__} layer: serve it without kvpolicy")
-        return KVPolicySpec.from_spec(spec, engine.plan.rules, engine.plan.slack)
+        return KVPolicySpec.from_spec(spec, engine.plan.rules, engine.plan.slack, engine.plan.evict_during_prefill)
 
     @staticmethod
     def get_impl_cls() -> type[KVPolicyImpl]:
@@ -74,10 +76,39 @@ class KVPolicyCPUBackend(CPUAttentionBackend):
         return KVPolicyMetadataBuilder
 
 
+#: the prompt length of each row of the batch whose metadata is being built (`share_prompt_lengths`)
+PROMPT_TOKENS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvpolicy_prompt_tokens",
+                                                                                   default=None)
+
+
+def share_prompt_lengths() -> None:
+    """Let the metadata builder read each request's prompt length, which vLLM's attention metadata does not carry
+    (its model runner computes ``is_prefilling`` from it and drops it): the runner's metadata step runs with its
+    input batch's prompt lengths in `PROMPT_TOKENS`. Needed by ``evict_during_prefill`` only; idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner inherits the method
+
+    original = GPUModelRunner._build_attention_metadata
+    if getattr(original, "_kvpolicy", False):
+        return
+
+    @functools.wraps(original)
+    def build(self, *args, **kwargs):
+        token = PROMPT_TOKENS.set(self.input_batch.num_prompt_tokens_cpu_tensor)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            PROMPT_TOKENS.reset(token)
+
+    build._kvpolicy = True
+    GPUModelRunner._build_attention_metadata = build
+
+
 class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.engine = engine_from_config(vllm_config)
+        if self.engine.active and self.engine.plan.evict_during_prefill:
+            share_prompt_lengths()
         # a request's schedule, by the physical id of its first block (the arena's: held until the request ends)
         self.schedules: dict[int, RequestSchedule] = {}
 
@@ -93,12 +124,16 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
         ends = common.seq_lens.cpu().tolist()
         table = common.block_table_tensor.cpu()
         prefilling = common.is_prefilling.cpu().tolist() if common.is_prefilling is not None else None
+        prompt_tokens = self._prompt_tokens(common.num_reqs) if plan.evict_during_prefill else None
         requests = []
         for row in range(common.num_reqs):
             count = starts[row + 1] - starts[row]
             first_block = int(table[row, 0])
             if count == 0 or first_block == 0:  # a dummy run (profiling, warm-up): nothing to keep
                 return None
+            if plan.evict_during_prefill and prompt_tokens is None:  # the scheduler evicts early: so must we
+                raise KVPolicyError("kvpolicy: evict_during_prefill needs each request's prompt length, which this "
+                                    "vLLM's model runner did not share; serve without evict_during_prefill")
             end = ends[row]
             start = end - count
             schedule = self.schedules.get(first_block)
@@ -106,9 +141,11 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
                 if start != 0:
                     raise KVPolicyError(f"kvpolicy: a request reached the worker at token {start} with no schedule; "
                                         "this integration needs every step of a request on one worker")
-                schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size)
+                schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size,
+                                                                         plan.evict_during_prefill)
             before = [self._rows_for(schedule, rule, start) for rule in range(len(plan.rules))]
-            decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False)
+            decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False,
+                                           prompt_tokens[row] if prompt_tokens is not None else None)
             requests.append((row, start, end, schedule, before, decision))
         positions = torch.cat([torch.arange(start, end) for _, start, end, *_ in requests])
         # decode steps together (one query each); each prompt chunk alone, unpadded (long, of any length)
@@ -132,6 +169,13 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
                 attend.append((rows, query_index, query_positions))
             rules.append(RuleStep(evict, attend))
         return StepPlan(rules, positions)
+
+    @staticmethod
+    def _prompt_tokens(rows: int) -> list[int] | None:
+        shared = PROMPT_TOKENS.get()
+        if shared is None:  # a dummy run (profiling, warm-up) outside the runner's metadata step; real steps have it
+            return None
+        return shared[:rows].tolist()
 
     @staticmethod
     def _rows_for(schedule: RequestSchedule, rule: int, end: int) -> tuple[list[int], int, int, int]:

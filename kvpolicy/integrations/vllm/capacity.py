@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="KV blocks for every configuration (default: 2.5 full-cache requests' worth)")
     parser.add_argument("--kv-memory", help="KV memory instead of --kv-blocks, e.g. 64MiB (vLLM's kv_cache_memory_bytes)")
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="tokens per engine step (vLLM's max_num_batched_tokens): long prompts come in chunks of "
+                             "at most this many (default: vLLM's own)")
+    parser.add_argument("--evict-during-prefill", action="store_true",
+                        help="recipes evict between a prompt's chunks (the entry's evict_during_prefill)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--text", type=Path, help="the prompts' text (default: CPython's pydoc_data.topics)")
     parser.add_argument("--kernel-repeats", type=int, default=20)
@@ -53,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("requests", "prompt_tokens", "new_tokens", "block_size", "kernel_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.prefill_chunk < 0:
+        parser.error("--prefill-chunk must be >= 0")
     if args.kv_blocks < 0:
         parser.error("--kv-blocks must be >= 0")
     if args.kv_memory is not None:
@@ -99,8 +106,11 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     else:
         # on CPU, vLLM checks this share of RAM is free even when the block count is given
         engine_args.update(num_gpu_blocks_override=blocks, gpu_memory_utilization=0.2)
+    if args.prefill_chunk:
+        engine_args["max_num_batched_tokens"] = args.prefill_chunk
     if recipe != "full":
-        engine_args["additional_config"] = {"kvpolicy": {"recipe": recipe}}
+        engine_args["additional_config"] = {"kvpolicy": {"recipe": recipe,
+                                                         "evict_during_prefill": args.evict_during_prefill}}
     llm = LLM(model=str(args.model), **engine_args)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
@@ -149,7 +159,8 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     decode_seconds = sum(s for s, _ in decode)
     return {
         "config": recipe, "requests": len(prompts), "kv_blocks": pool.num_gpu_blocks - 1,  # less the null block
-        "block_size": args.block_size,
+        "block_size": args.block_size, "prefill_chunk": args.prefill_chunk or None,
+        "evict_during_prefill": args.evict_during_prefill and recipe != "full",
         "peak_running": max(step["running"] for step in records),
         "peak_blocks": max(step["blocks"] for step in records),
         "mean_blocks": round(statistics.mean(step["blocks"] for step in records), 1),
@@ -262,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     header = ("config", "peak running", "peak blocks", "mean blocks", "decode tok/s", "end-to-end tok/s",
               "TTFT median s", "TTFT max s")
     print(f"\n{args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens, "
-          f"{args.new_tokens} new tokens each, {blocks} KV blocks of {args.block_size} tokens, {args.dtype}")
+          f"{args.new_tokens} new tokens each, {blocks} KV blocks of {args.block_size} tokens, {args.dtype}"
+          + (f", prefill chunks of {args.prefill_chunk}" if args.prefill_chunk else "")
+          + (", recipes evicting during prefill" if args.evict_during_prefill else ""))
     print(" | ".join(header))
     for row in rows:
         ratio = ""

@@ -8,8 +8,9 @@ empty (the one the next token goes to is only partly dead). The scheduler frees 
 which is never told which blocks were freed, works out the same layout from the same rule.
 
 The rule is kvpolicy's own (`budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
-is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in. It
-is decided at step starts (before the step's new tokens), which is where kvpolicy's transformers path stands
+is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
+``evict_during_prefill``, as soon as the request arrives (vLLM knows its prompt's length), so that a long prompt
+evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the step's new tokens), which is where kvpolicy's transformers path stands
 after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
 scheduled (vLLM's ``num_computed_tokens``), and whether its prompt was still coming in.
 """
@@ -60,7 +61,8 @@ class RequestSchedule:
     rules: tuple[BudgetRule, ...]
     slack: int
     block_size: int
-    prompt_tokens: int | None = None  # known at the first step start past the prompt
+    evict_during_prefill: bool = False  # take the prompt's length from the first step, not once the prompt is in
+    prompt_tokens: int | None = None  # known at the first step start past the prompt (or at the first step)
     last_start: int = 0
     started: bool = False
     states: list[RuleState] = field(default_factory=list)
@@ -70,12 +72,15 @@ class RequestSchedule:
         self.states = [RuleState() for _ in self.rules]
         self.last_decision = (False,) * len(self.rules)
 
-    def start_step(self, start: int, prefilling: bool) -> tuple[bool, ...]:
-        """Which rules evict at the step that starts with ``start`` tokens processed (asked again: the same answer)."""
+    def start_step(self, start: int, prefilling: bool, prompt_tokens: int | None = None) -> tuple[bool, ...]:
+        """Which rules evict at the step that starts with ``start`` tokens processed (asked again: the same answer).
+        ``prompt_tokens``: the prompt's length, which both sides know, read with ``evict_during_prefill``."""
         if self.started and start == self.last_start:
             return self.last_decision
         if start < self.last_start:
             raise ValueError(f"a request's steps go forward: step start {start} after {self.last_start}")
+        if self.prompt_tokens is None and self.evict_during_prefill and prompt_tokens is not None:
+            self.prompt_tokens = prompt_tokens
         if self.prompt_tokens is None and not prefilling:
             self.prompt_tokens = start
         added = start - self.last_start

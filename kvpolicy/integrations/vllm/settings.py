@@ -18,7 +18,7 @@ from ...registry import Registry, get_registry
 from .schedule import BudgetRule
 
 CONFIG_KEY = "kvpolicy"
-SETTING_KEYS = ("recipe", "budget", "slack")
+SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill")
 PREFIX = f"vLLM additional_config[{CONFIG_KEY!r}]"
 
 
@@ -30,6 +30,9 @@ class Settings:
     budget: float | int | None = None  # a share of the prompt (0, 1], or tokens (an integer >= 1)
     #: tokens a request may hold over its budget before one eviction; None: the recipe's, raised to a block's worth
     slack: int | None = None
+    #: a ratio budget resolves from the prompt's length when the request arrives, so a long prompt evicts between the
+    #: chunks of vLLM's chunked prefill (as a token budget does) instead of holding all of its blocks until it is in
+    evict_during_prefill: bool = False
 
 
 def read_settings(additional_config: Any) -> Settings | None:
@@ -55,7 +58,10 @@ def read_settings(additional_config: Any) -> Settings | None:
     slack = raw.get("slack")
     if slack is not None and not (type(slack) is int and 0 <= slack <= MAX_TOKENS):
         raise KVPolicyError(f"{PREFIX}['slack'] must be a whole number of tokens >= 0, got {slack!r}")
-    return Settings(recipe=recipe, budget=budget, slack=slack)
+    during_prefill = raw.get("evict_during_prefill", False)
+    if type(during_prefill) is not bool:
+        raise KVPolicyError(f"{PREFIX}['evict_during_prefill'] must be true or false, got {during_prefill!r}")
+    return Settings(recipe=recipe, budget=budget, slack=slack, evict_during_prefill=during_prefill)
 
 
 def _is_budget(value: Any) -> bool:
@@ -80,10 +86,12 @@ class PagedPlan:
     layers: list[PagedLayer]
     rules: tuple[BudgetRule, ...]  # the distinct layer budgets
     slack: int
+    evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
 
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)
-        return f"{self.plan.name}: {len(self.layers)} layers, budgets {budgets}, slack {self.slack}"
+        during = ", evicting during prefill" if self.evict_during_prefill else ""
+        return f"{self.plan.name}: {len(self.layers)} layers, budgets {budgets}, slack {self.slack}{during}"
 
 
 def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_size: int,
@@ -142,7 +150,8 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     recipe_slack = max(h.budget.slack for layer in plan.layers for h in layer.heads)
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
     slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
-    return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack)
+    return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack,
+                     evict_during_prefill=settings.evict_during_prefill)
 
 
 def _check_policy(policy: Policy, where: str, layer: int) -> None:
