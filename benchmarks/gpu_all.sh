@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 rm -rf /tmp/smollm2-shape && cp -r .gpu/smollm2-shape /tmp/smollm2-shape
 
-steps=${GPU_STEPS:-triton_tests gpu_attention gpu_check bench core_speed}
+steps=${GPU_STEPS:-triton_tests gpu_attention gpu_paged gpu_check bench core_speed}
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2; shift 2
     case " $steps " in *" $name "*) ;; *) return 0 ;; esac
@@ -38,6 +38,8 @@ step() {  # step NAME SECONDS COMMAND...
 step triton_tests "${GPU_TESTS_LIMIT:-240}" env KVPOLICY_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider \
     tests/test_triton_backend.py -k "${GPU_TESTS_K:-not nothing}"
 step gpu_attention 200 python3 benchmarks/gpu_attention.py --contexts 4096 16384 --batches 1 8 --repeats 3
+# the vLLM integration's paged decode (issue #14): in-place kernels against the gather path, Llama-3-8B's heads
+step gpu_paged 120 python3 benchmarks/gpu_paged.py --out "$out/gpu_paged.json"
 step gpu_check 300 python3 benchmarks/gpu_check.py --config-dir /tmp/smollm2-shape --out "$out/gpu_check.json"
 # the bench loads the folder as a model: random weights of SmolLM2's shape (gpu_check.py writes the same)
 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch, gpu_check as g; from pathlib import Path; \

@@ -71,7 +71,8 @@ class PagedRequest:
         return [self.blocks[i] for i in logical], logical, schedule.arena(0) if evicted else 0, first, end
 
 
-def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dtype = torch.float32):
+def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dtype = torch.float32,
+             backend: str = "torch"):
     """``steps``: tokens per request per step (0: the request sits the step out). Returns the largest difference
     between the two sides' attention outputs over every step (the paged cache and queries in ``dtype``, as vLLM
     serves them; the dense reference in fp32)."""
@@ -81,7 +82,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
     dense = [dense_layer(spec) for _ in range(requests)]
     plan = paged_plan(Settings(recipe=spec, slack=spec["budget"]["slack"]), 1, HKV, BLOCK)
     layer = plan.layers[0]
-    policies = PagedPolicies(layer.groups)
+    policies = PagedPolicies(layer.groups, backend=backend)
     total_blocks = 64
     kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM, dtype=dtype)
     cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.groups)
@@ -163,6 +164,23 @@ def test_paged_matches_dense_layer_step_by_step(policy, params):
     steps = [[9, 0], [7, 13], *DECODE]
     worst = run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps)
     assert worst < 1e-5
+
+
+@pytest.mark.parametrize("policy,params", [("h2o", {"recent_ratio": 0.5}), ("tova", {}), ("streaming", {"sinks": 2})])
+def test_the_triton_kernels_read_the_blocks_in_place_as_the_torch_path_does(policy, params, monkeypatch):
+    """backend triton (the interpreter here): decode steps attend and score by `triton_paged` over the blocks where
+    they lie, arena holes and evicted block heads included; the evictions their statistics drive keep the
+    outputs on the dense layer's, step by step."""
+    import kvpolicy.backend.triton_paged as triton_paged
+
+    calls = {"decode": 0, "scores": 0}
+    for name, key in (("paged_decode", "decode"), ("paged_column_sums", "scores")):
+        original = getattr(triton_paged, name)
+        monkeypatch.setattr(triton_paged, name, lambda *a, _f=original, _k=key, **kw: (
+            calls.__setitem__(_k, calls[_k] + 1), _f(*a, **kw))[1])
+    steps = [[9, 0], [7, 13], *DECODE[:14]]
+    assert run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps, backend="triton") < 1e-5
+    assert calls["decode"] >= 14 and (calls["scores"] >= 14) == (policy != "streaming")
 
 
 @pytest.mark.parametrize("slack", [0, 1, BLOCK - 1, 2 * BLOCK + 1])

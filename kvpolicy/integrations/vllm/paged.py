@@ -17,7 +17,7 @@ import torch
 
 from ...backend.call import AttentionCall
 from ...backend.dispatch import attend
-from ...policies.base import TokenView
+from ...policies.base import AttentionStats, TokenView
 from ...policy_calls import NaNCheck, PolicyGroup, combined_scores, observe_all
 from ...storage.base import top_kept
 
@@ -211,8 +211,17 @@ class RowBlocks:
         return torch.where(valid, stored, -1), valid
 
 
+#: the statistics the Triton kernels compute from the blocks in place (`backend.triton_paged`), for a decode step
+IN_PLACE_STATS = frozenset({"colsum", "last_rows"})
+
+
 class PagedPolicies:
-    """One layer's policies over a paged cache: evict, and attend with the statistics they read."""
+    """One layer's policies over a paged cache: evict, and attend with the statistics they read.
+
+    ``backend="triton"`` (CUDA, or the interpreter in tests): a batch of decode steps whose policies read only
+    `IN_PLACE_STATS` attends with `backend.triton_paged`, reading the blocks where they lie; anything else
+    gathers the blocks and runs kvpolicy's attention over the copy with that backend.
+    """
 
     def __init__(self, groups: list[PolicyGroup], backend: str = "torch"):
         self.groups, self.backend = groups, backend
@@ -264,6 +273,9 @@ class PagedPolicies:
         at ``query_positions`` [R, q] over the requests' blocks; the policies observe its statistics.
         Returns the output [R, q, Hq, D]."""
         positions, valid = rows.layout(rows.gather(cache.positions))
+        if self.backend == "triton" and query_index.shape[1] == 1 and bool((query_index >= 0).all()) \
+                and self.needs <= IN_PLACE_STATS:
+            return self._attend_in_place(cache, rows, valid, query[query_index[:, 0]], scaling)
         # the torch path computes these in fp32: one conversion here, not one per matmul or query chunk
         dtype = torch.float32 if self.needs or query_index.shape[1] == 1 else cache.keys.dtype
         # into buffers reused by every layer and step: in isolation, index_select into a reused buffer took half the
@@ -290,8 +302,28 @@ class PagedPolicies:
         )
         result = attend(grouped_query, call)
         if result.stats is not None and self.needs:
-            state = self._gather_state(cache, rows)
-            observe_all(self.groups, lambda group: self._state_of(group, state), result.stats)
-            for name, tensor in cache.state.items():
-                rows.scatter(tensor, state[name])
+            self._observe(cache, rows, result.stats)
         return result.output
+
+    def _observe(self, cache: PagedLayerCache, rows: RowBlocks, stats: AttentionStats) -> None:
+        state = self._gather_state(cache, rows)
+        observe_all(self.groups, lambda group: self._state_of(group, state), stats)
+        for name, tensor in cache.state.items():
+            rows.scatter(tensor, state[name])
+
+    def _attend_in_place(self, cache: PagedLayerCache, rows: RowBlocks, valid: torch.Tensor, query: torch.Tensor,
+                         scaling: float) -> torch.Tensor:
+        """One query per request (``query`` [R, Hq, D]) by the paged Triton kernels; the score pass runs only
+        for policies that read statistics."""
+        from ...backend.triton_paged import paged_column_sums, paged_decode
+
+        slots = rows.blocks.shape[1] * rows.block_size
+        valid = torch.nn.functional.pad(valid, (0, slots - rows.width))  # a cut last block: its tail holds nothing
+        table = rows.blocks.to(query.device)
+        out, lse = paged_decode(query, cache.keys, cache.values, table, valid, scaling)
+        if self.needs:
+            colsum = paged_column_sums(query, cache.keys, table, valid, lse, scaling)[:, :, : rows.width]
+            queries = torch.ones(query.shape[0], dtype=torch.long, device=query.device)
+            last_rows = colsum[:, :, None] if "last_rows" in self.needs and self.last_rows_window > 0 else None
+            self._observe(cache, rows, AttentionStats(queries=queries, colsum=colsum, last_rows=last_rows))
+        return out[:, None]

@@ -1,0 +1,112 @@
+"""The vLLM integration's paged decode on a GPU: `backend/triton_paged.py` against the gather path, checked and timed.
+
+    python benchmarks/gpu_paged.py --out OUT.json                       # CUDA, Llama-3-8B's heads (32 query, 8 KV, 128)
+    TRITON_INTERPRET=1 python benchmarks/gpu_paged.py --device cpu --requests 2 --context 40 --heads 4 2 --dim 16
+
+A batch of decode steps over paged blocks laid out as an evicted request's are (an arena with holes, then blocks
+in place from an evicted head on), shuffled over the pool: per layer call, the in-place kernels (output + log-sum-exp,
+then the score pass) against `PagedPolicies`' gather path with torch's attention, which the CPU build runs. Prints
+the largest differences of output and column sums, and the median milliseconds of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvpolicy.backend.triton_paged import paged_column_sums, paged_decode
+
+
+def layout(requests: int, context: int, heads: int, block: int, device: torch.device, seed: int = 0):
+    """(block table [R, nblk], valid [R, Hkv, nblk * block], number of pool blocks): each request's slots hold
+    ``context`` tokens with ~5% holes in its first half (an arena) and an evicted head in its first block after."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = -(-(context + block) // block)
+    pool = 1 + requests * blocks
+    table = (1 + torch.randperm(pool - 1, generator=generator)).view(requests, blocks)
+    valid = torch.ones(requests, heads, blocks * block, dtype=torch.bool)
+    valid[:, :, context:] = False
+    half = blocks // 2 * block
+    valid[:, :, :half] &= torch.rand(requests, heads, half, generator=generator) > 0.05
+    valid[:, :, half: half + block // 2] = False
+    return table.to(device), valid.to(device), pool
+
+
+def gathered(query, keys, values, table, valid, scaling):
+    """The gather path: the request's blocks copied out, then masked attention in fp32 (what `PagedPolicies` does
+    without the Triton kernels)."""
+    requests, q_heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    k = keys[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim).float()
+    v = values[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim).float()
+    q = query.view(requests, kv_heads, q_heads // kv_heads, dim).float() * scaling
+    logits = (q @ k.transpose(-1, -2)).masked_fill_(~valid[:, :, None], -torch.inf)
+    probs = logits.softmax(dim=-1)
+    return (probs @ v).reshape(requests, q_heads, dim), probs.mean(dim=2)
+
+
+def in_place(query, keys, values, table, valid, scaling):
+    out, lse = paged_decode(query, keys, values, table, valid, scaling)
+    return out, paged_column_sums(query, keys, table, valid, lse, scaling)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--requests", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("QUERY", "KV"))
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    q_heads, kv_heads = args.heads
+    rows = []
+    for requests in args.requests:
+        for context in args.context:
+            table, valid, pool = layout(requests, context, kv_heads, args.block_size, device)
+            cache = torch.randn(pool, kv_heads, args.block_size, 2 * args.dim, device=device, dtype=dtype)
+            keys, values = cache[..., : args.dim], cache[..., args.dim:]  # the halves of one slot, as on CPU
+            query = torch.randn(requests, q_heads, args.dim, device=device, dtype=dtype)
+            inputs = (query, keys, values, table, valid, args.dim ** -0.5)
+            ref_out, ref_colsum = gathered(*inputs)
+            out, colsum = in_place(*inputs)
+            row = {
+                "requests": requests, "context": context, "heads": [q_heads, kv_heads], "dim": args.dim,
+                "block_size": args.block_size, "dtype": args.dtype, "device": str(device),
+                "max_output_diff": (out.float() - ref_out).abs().max().item(),
+                "max_colsum_diff": (colsum - ref_colsum).abs().max().item(),
+                "in_place_ms": timed(lambda inputs=inputs: in_place(*inputs), device, args.repeats),
+                "decode_only_ms": timed(lambda inputs=inputs: paged_decode(*inputs), device, args.repeats),
+                "gather_ms": timed(lambda inputs=inputs: gathered(*inputs), device, args.repeats),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
