@@ -17,7 +17,7 @@ import torch
 from kvpolicy.backend.dispatch import attend
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks, Workspace
-from kvpolicy.integrations.vllm.schedule import BudgetRule, RequestSchedule
+from kvpolicy.integrations.vllm.schedule import BudgetRule, RequestSchedule, peak_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.layer import PolicyLayer
 from kvpolicy.policy_calls import group_cells
@@ -286,6 +286,30 @@ def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evi
     assert whole.start_step(prompt, prefilling=False) == (True,) and whole.states[0].budget == 200
     lo, hi = during.empty_blocks()
     assert (lo, hi) == (during.arena(0), 896 // 32)  # the blocks the last eviction emptied, freed a step later
+
+
+@pytest.mark.parametrize("prompt,chunk,rules", [
+    (1500, 256, (BudgetRule(ratio=0.2),)), (1001, 128, (BudgetRule(ratio=0.2),)), (760, 512, (BudgetRule(ratio=0.1),)),
+    (2000, 96, (BudgetRule(ratio=0.3), BudgetRule(tokens=64))),
+])
+def test_peak_blocks_bounds_what_a_request_evicting_during_prefill_holds(prompt, chunk, rules):
+    """vLLM's scheduler admits a request when `peak_blocks` are free: a request fed in chunks, with the manager's
+    one-step delay before emptied blocks return, must never hold more (else a full pool would deadlock)."""
+    block, slack = 32, 31
+    schedule = RequestSchedule(rules, slack, block, evict_during_prefill=True)
+    freed, most, done = set(), 0, 0
+    while done < prompt + 200:
+        count = min(chunk, prompt - done) if done < prompt else 1
+        lo, hi = schedule.empty_blocks()  # what the manager frees: emptied at earlier step starts
+        schedule.start_step(done, prefilling=done < prompt, prompt_tokens=prompt)
+        freed |= set(range(lo, hi))
+        allocated = -(-(done + count) // block)  # the logical blocks this step's tokens need
+        most = max(most, len(set(range(allocated)) - freed))
+        done += count
+    bound = peak_blocks(rules, slack, block, prompt, chunk)
+    assert most <= bound < most + 4  # a bound, and not a loose one
+    if 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for, once chunks are small
+        assert bound < -(-prompt // block) * 0.7
 
 
 # --- settings: what a user writes, and what a paged engine refuses -------------------------------------------

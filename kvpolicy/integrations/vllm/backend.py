@@ -65,7 +65,8 @@ class KVPolicyCPUBackend(CPUAttentionBackend):
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
             raise KVPolicyError(f"kvpolicy: the vLLM integration runs models whose layers are all full attention; "
                                 f"this one has a {type(spec).__name__} layer: serve it without kvpolicy")
-        return KVPolicySpec.from_spec(spec, engine.plan.rules, engine.plan.slack, engine.plan.evict_during_prefill)
+        plan = engine.plan
+        return KVPolicySpec.from_spec(spec, plan.rules, plan.slack, plan.evict_during_prefill, plan.step_tokens)
 
     @staticmethod
     def get_impl_cls() -> type[KVPolicyImpl]:

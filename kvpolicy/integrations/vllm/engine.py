@@ -52,6 +52,8 @@ def engine_from_config(vllm_config: Any) -> Engine:
         parallel = vllm_config.parallel_config
         plan = paged_plan(settings, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
                           vllm_config.cache_config.block_size)
+        if plan is not None:
+            plan.step_tokens = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
         if plan is None:
             logger.info("kvpolicy: recipe %r evicts nothing; vLLM runs with its full cache", settings.recipe)
         else:

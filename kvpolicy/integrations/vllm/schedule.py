@@ -47,6 +47,16 @@ def arena_blocks(budget: int, block_size: int) -> int:
     return -(-budget // block_size)
 
 
+def peak_blocks(rules: tuple[BudgetRule, ...], slack: int, block_size: int, tokens: int, step_tokens: int) -> int:
+    """The most blocks a request of ``tokens`` (its prompt, at admission) ever holds when it evicts during prefill,
+    at most ``step_tokens`` a step: each rule's arena, plus what came in since that rule's last eviction (at most
+    its slack and one chunk) and the chunk about to come, plus the blocks those straddle. The scheduler admits a
+    request when this many blocks are free, not its whole prompt's."""
+    since_eviction = slack + 1 + 2 * step_tokens
+    most = max(arena_blocks(rule.resolve(tokens), block_size) for rule in rules)
+    return min(most + -(-since_eviction // block_size) + 2, -(-tokens // block_size))
+
+
 @dataclass
 class RuleState:
     budget: int | None = None

@@ -87,6 +87,7 @@ class PagedPlan:
     rules: tuple[BudgetRule, ...]  # the distinct layer budgets
     slack: int
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
+    step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
 
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)

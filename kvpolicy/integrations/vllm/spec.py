@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .schedule import BudgetRule, RequestSchedule
+from .schedule import BudgetRule, RequestSchedule, peak_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,22 +23,24 @@ class KVPolicySpec(FullAttentionSpec):
     kvpolicy_rules: tuple[tuple[int | None, float | None], ...] = ()
     kvpolicy_slack: int = 0
     kvpolicy_evict_during_prefill: bool = False
+    kvpolicy_step_tokens: int | None = None
 
     @classmethod
     def from_spec(cls, spec: FullAttentionSpec, rules: tuple[BudgetRule, ...], slack: int,
-                  evict_during_prefill: bool = False) -> KVPolicySpec:
+                  evict_during_prefill: bool = False, step_tokens: int | None = None) -> KVPolicySpec:
         given = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**given, kvpolicy_rules=tuple((r.tokens, r.ratio) for r in rules), kvpolicy_slack=slack,
-                   kvpolicy_evict_during_prefill=evict_during_prefill)
+                   kvpolicy_evict_during_prefill=evict_during_prefill, kvpolicy_step_tokens=step_tokens)
 
     @classmethod
     def merge(cls, specs: list[KVPolicySpec]) -> KVPolicySpec:
-        policies = {(s.kvpolicy_rules, s.kvpolicy_slack, s.kvpolicy_evict_during_prefill) for s in specs}
+        policies = {(s.kvpolicy_rules, s.kvpolicy_slack, s.kvpolicy_evict_during_prefill, s.kvpolicy_step_tokens)
+                    for s in specs}
         if len(policies) != 1:
             raise ValueError(f"kvpolicy: the layers of one KV cache group disagree on their budgets: {policies}")
         base = FullAttentionSpec.merge(specs)
-        rules, slack, during_prefill = policies.pop()
-        return cls.from_spec(base, tuple(BudgetRule(*rule) for rule in rules), slack, during_prefill)
+        rules, slack, during_prefill, step_tokens = policies.pop()
+        return cls.from_spec(base, tuple(BudgetRule(*rule) for rule in rules), slack, during_prefill, step_tokens)
 
     def rules(self) -> tuple[BudgetRule, ...]:
         return tuple(BudgetRule(*rule) for rule in self.kvpolicy_rules)
@@ -52,7 +54,25 @@ class KVPolicyManager(FullAttentionManager):
         self.rules = kv_cache_spec.rules()
         self.slack = kv_cache_spec.kvpolicy_slack
         self.evict_during_prefill = kv_cache_spec.kvpolicy_evict_during_prefill
+        self.step_tokens = kv_cache_spec.kvpolicy_step_tokens
         self.schedules: dict[str, RequestSchedule] = {}
+
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
+                                   **kwargs) -> int:
+        # vLLM admits a request when its whole prompt fits (scheduler_reserve_full_isl); one that evicts during
+        # prefill never holds its whole prompt: cap what it must find free at its peak (`schedule.peak_blocks`), as
+        # vLLM caps a sliding-window request's
+        if not (apply_admission_cap and self.evict_during_prefill and self.step_tokens):
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args,
+                                                      apply_admission_cap=apply_admission_cap, **kwargs)
+        saved = self.max_admission_blocks_per_request
+        self.max_admission_blocks_per_request = peak_blocks(self.rules, self.slack, self.block_size, num_tokens,
+                                                            self.step_tokens)
+        try:
+            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
+                                                      **kwargs)
+        finally:
+            self.max_admission_blocks_per_request = saved
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
