@@ -334,6 +334,7 @@ def test_kvpolicy_bench_engine_vllm_as_the_docs_give_it(vllm_python, embedded_mo
         assert serving[name]["mean_blocks"] < serving["full"]["mean_blocks"]
         assert serving[name]["peak_running"] >= serving["full"]["peak_running"]
         assert serving[name]["generated"] == serving["full"]["generated"] == 4 * 8
+        assert serving[name]["evict_during_prefill"] and serving[name]["prefill_chunk"] == 256
     assert (out / "vllm_capacity.png").stat().st_size > 10_000
 
 
