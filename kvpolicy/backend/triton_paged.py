@@ -40,10 +40,21 @@ def _block_scores(Q_TILE, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stri
 
 
 @triton.jit
-def _query_tile(Q, r, kvh, G, stride_qr, stride_qh, stride_qd, offs_g, offs_d, d_ok):
+def _program_rows(Q, Hkv, G, stride_qr, stride_qh, stride_qd, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A program's request and KV head (from its first grid axis), its offsets, and the G query heads of that KV
+    head as the rows of one fp32 tile."""
+    pid = tl.program_id(0)
+    r = (pid // Hkv).to(tl.int64)
+    kvh = pid % Hkv
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
     heads = kvh * G + offs_g
-    return tl.load(Q + r * stride_qr + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                   mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(Q + r * stride_qr + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=(offs_g < G)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    return r, kvh, offs_g, offs_n, offs_d, d_ok, q
 
 
 @triton.jit
@@ -57,14 +68,8 @@ def _paged_decode_kernel(
     Hkv, G, NUM_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    r = (pid // Hkv).to(tl.int64)
-    kvh = pid % Hkv
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_SIZE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q = _query_tile(Q, r, kvh, G, stride_qr, stride_qh, stride_qd, offs_g, offs_d, d_ok)
+    r, kvh, offs_g, offs_n, offs_d, d_ok, q = _program_rows(Q, Hkv, G, stride_qr, stride_qh, stride_qd, HEAD_DIM,
+                                                          BLOCK_D, BLOCK_G, BLOCK_SIZE)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -99,16 +104,10 @@ def _paged_scores_kernel(
     Hkv, G, NUM_BLOCKS, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     j = tl.program_id(1)
-    r = (pid // Hkv).to(tl.int64)
-    kvh = pid % Hkv
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_n = tl.arange(0, BLOCK_SIZE)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    r, kvh, offs_g, offs_n, offs_d, d_ok, q = _program_rows(Q, Hkv, G, stride_qr, stride_qh, stride_qd, HEAD_DIM,
+                                                          BLOCK_D, BLOCK_G, BLOCK_SIZE)
     g_ok = offs_g < G
-    q = _query_tile(Q, r, kvh, G, stride_qr, stride_qh, stride_qd, offs_g, offs_d, d_ok)
     s, valid = _block_scores(q, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd,
                              stride_tr, stride_mr, stride_mh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE)
     lse = tl.load(LSE + r * (Hkv * G) + kvh * G + offs_g, mask=g_ok, other=0.0)
