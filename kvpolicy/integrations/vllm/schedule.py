@@ -10,8 +10,8 @@ which is never told which blocks were freed, works out the same layout from the 
 The rule is kvpolicy's own (`budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
 is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
 ``evict_during_prefill``, as soon as the request arrives (vLLM knows its prompt's length), so that a long prompt
-evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the step's new tokens), which is where kvpolicy's transformers path stands
-after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
+evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the
+step's new tokens), which is where kvpolicy's transformers path stands after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
 scheduled (vLLM's ``num_computed_tokens``), and whether its prompt was still coming in.
 """
 
