@@ -33,9 +33,12 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     # one query per row sees every valid slot (they are all older): no position mask to build
     one_query = query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
     if not call.needs:
-        if one_query and not call.causal_only:  # gaps in the slots: a masked SDPA would take its slow path
-            return AttentionResult(_decode_step(query, call.keys, call.values, call.scaling, frozenset(), 0,
-                                                call.valid)[0], None)
+        if one_query and not call.causal_only:
+            # gaps in the slots: SDPA masked per KV head, the G queries of each folded into rows (interleaved A/B on
+            # one thread, vLLM's paged decode at 12 requests x 300 / 1,500 tokens: 10% / 18% under the
+            # matmul-softmax-matmul path this replaced)
+            return AttentionResult(attend_sdpa(query, call.keys, call.values, call.valid[:, :, None], call.scaling),
+                                   None)
         return AttentionResult(attend_plain(query, call), None)
     if one_query and call.needs <= DECODE_STATS:
         valid = None if call.causal_only else call.valid
