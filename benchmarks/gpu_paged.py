@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from kvpolicy.backend.torch_ref import _decode_step
 from kvpolicy.backend.triton_paged import paged_column_sums, paged_decode
 
 
@@ -38,16 +39,14 @@ def layout(requests: int, context: int, heads: int, block: int, device: torch.de
 
 
 def gathered(query, keys, values, table, valid, scaling):
-    """The gather path: the request's blocks copied out, then masked attention in fp32 (what `PagedPolicies` does
-    without the Triton kernels)."""
-    requests, q_heads, dim = query.shape
+    """The gather path: the request's blocks copied out, then the torch path's decode step with H2O's statistic
+    (what `PagedPolicies` runs without the Triton kernels)."""
+    requests, _, dim = query.shape
     kv_heads = keys.shape[1]
-    k = keys[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim).float()
-    v = values[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim).float()
-    q = query.view(requests, kv_heads, q_heads // kv_heads, dim).float() * scaling
-    logits = (q @ k.transpose(-1, -2)).masked_fill_(~valid[:, :, None], -torch.inf)
-    probs = logits.softmax(dim=-1)
-    return (probs @ v).reshape(requests, q_heads, dim), probs.mean(dim=2)
+    k = keys[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim)
+    v = values[table].permute(0, 2, 1, 3, 4).reshape(requests, kv_heads, -1, dim)
+    out, stats = _decode_step(query[:, :, None], k, v, scaling, frozenset({"colsum"}), 0, valid)
+    return out[:, 0], stats.colsum
 
 
 def in_place(query, keys, values, table, valid, scaling):

@@ -106,15 +106,20 @@ def reference_model():
     return kvpolicy.load_model("smollm2")[0]
 
 
-def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> list[int]:
-    """kvpolicy's transformers path, greedy, with the slack the vLLM integration uses (a block's worth)."""
+def attached_with_vllm_slack(model, recipe_name: str):
+    """A kvpolicy session of the recipe with the slack the vLLM integration uses (a block's worth)."""
     import kvpolicy
     from kvpolicy.plan import Budget
     from kvpolicy.recipe import load_recipe, with_budget
 
     recipe = load_recipe(recipe_name)
     recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))
-    session = kvpolicy.attach(model, recipe)
+    return kvpolicy.attach(model, recipe)
+
+
+def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> list[int]:
+    """kvpolicy's transformers path, greedy, with the slack the vLLM integration uses (a block's worth)."""
+    session = attached_with_vllm_slack(model, recipe_name)
     try:
         out = model.generate(torch.tensor([prompt]), past_key_values=session.new_cache(), max_new_tokens=new_tokens,
                              do_sample=False, min_new_tokens=new_tokens)
@@ -126,14 +131,9 @@ def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> li
 def reference_in_chunks(model, recipe_name: str, prompt: list[int], new_tokens: int, starts: list[int]) -> list[int]:
     """kvpolicy's transformers path fed the prompt in the chunks vLLM ran (``starts``: each chunk's first token),
     with the ratio budget resolved from the prompt's length up front (``new_cache(prompt_tokens=...)``)."""
-    import kvpolicy
-    from kvpolicy.plan import Budget
-    from kvpolicy.recipe import load_recipe, with_budget
     from kvpolicy.tasks.base import forward
 
-    recipe = load_recipe(recipe_name)
-    recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))
-    session = kvpolicy.attach(model, recipe)
+    session = attached_with_vllm_slack(model, recipe_name)
     ids, tokens = torch.tensor([prompt]), []
     try:
         cache = session.new_cache(prompt_tokens=len(prompt))

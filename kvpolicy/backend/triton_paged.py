@@ -30,13 +30,13 @@ LOG2E = 1.4426950408889634
 def _block_scores(Q_TILE, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd, stride_tr,
                   stride_vr, stride_vh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE: tl.constexpr):
     """Scaled base-2 logits [G, block_size] of block ``j`` of request ``r`` for KV head ``kvh`` (-inf where no
-    token), and the slots' validity."""
+    token), the slots' validity, and the block's id in the cache."""
     block = tl.load(TABLE + r * stride_tr + j).to(tl.int64)
     keys = tl.load(K + block * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                    mask=d_ok[None, :], other=0.0).to(tl.float32)
     valid = tl.load(VALID + r * stride_vr + kvh * stride_vh + j * BLOCK_SIZE + offs_n) != 0
     logits = tl.sum(Q_TILE[:, None, :] * keys[None, :, :], axis=2) * qk_scale
-    return tl.where(valid[None, :], logits, float("-inf")), valid
+    return tl.where(valid[None, :], logits, float("-inf")), valid, block
 
 
 @triton.jit
@@ -74,14 +74,13 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for j in range(NUM_BLOCKS):
-        s, valid = _block_scores(q, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd,
-                                 stride_tr, stride_mr, stride_mh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE)
+        s, valid, block = _block_scores(q, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd,
+                                        stride_tr, stride_mr, stride_mh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row that has seen no token yet keeps -inf: shift by 0 there (exp2(-inf - 0) = 0, no NaN)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - shift[:, None])
         alpha = tl.exp2(m_i - shift)
-        block = tl.load(TABLE + r * stride_tr + j).to(tl.int64)
         values = tl.load(V + block * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vn
                          + offs_d[None, :] * stride_vd, mask=d_ok[None, :], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -108,8 +107,8 @@ def _paged_scores_kernel(
     r, kvh, offs_g, offs_n, offs_d, d_ok, q = _program_rows(Q, Hkv, G, stride_qr, stride_qh, stride_qd, HEAD_DIM,
                                                           BLOCK_D, BLOCK_G, BLOCK_SIZE)
     g_ok = offs_g < G
-    s, valid = _block_scores(q, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd,
-                             stride_tr, stride_mr, stride_mh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE)
+    s, valid, _ = _block_scores(q, K, TABLE, VALID, r, kvh, j, stride_kb, stride_kh, stride_kn, stride_kd,
+                                stride_tr, stride_mr, stride_mh, qk_scale, offs_n, offs_d, d_ok, BLOCK_SIZE)
     lse = tl.load(LSE + r * (Hkv * G) + kvh * G + offs_g, mask=g_ok, other=0.0)
     p = tl.where(g_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
     tl.store(COLSUM + (r * Hkv + kvh) * NUM_BLOCKS * BLOCK_SIZE + j * BLOCK_SIZE + offs_n, tl.sum(p, 0) / G)
