@@ -86,6 +86,9 @@ NUMBER_CASES = [
     (["bench", "--spread", "inf"], "--spread: inf"),
     (["bench", "--kv-memory", "0"], "must be above zero"),
     (["compare", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["bench", "--prefill-chunk", "256"], "options of --engine vllm"),
+    (["bench", "--evict-during-prefill"], "options of --engine vllm"),
+    (["bench", "--engine", "vllm", "--prefill-chunk", "0"], "--prefill-chunk 0: must be at least 1"),
 ]
 
 
