@@ -165,7 +165,9 @@ class PolicyLayer(StaticDecode):
         start, count = self.pending
         device = self.valid.device
         if query_valid is None:
-            query_positions = self.tokens_seen[:, None] + torch.arange(count, device=device)
+            query_positions = self.tokens_seen[:, None]
+            if count > 1:
+                query_positions = query_positions + torch.arange(count, device=device)
         else:
             query_valid = query_valid.to(device)
             ranks = torch.cumsum(query_valid.long(), dim=1) - 1

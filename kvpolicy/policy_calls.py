@@ -7,6 +7,7 @@ bug in one gives an error naming it rather than silently evicting the wrong toke
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -63,9 +64,11 @@ def combined_scores(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup],
         given = call_policy(group.policy, "score", group.policy.score, state_of(group), view)
         group_scores = checked(group.policy, "returned scores", given, view.valid.shape, "batch, kv_heads, slots").float()
         note(group.policy, group_scores)
-        cells = group.cells.to(group_scores.device)[:, :, None]
-        scores = group_scores if scores is None else torch.where(cells, group_scores, scores)
-    return scores.masked_fill(~view.valid, -torch.inf)
+        if scores is None:
+            scores = group_scores  # its cells, and every other cell until a later group claims it
+        else:
+            scores = torch.where(group.cells.to(group_scores.device)[:, :, None], group_scores, scores)
+    return torch.where(view.valid, scores, -torch.inf)
 
 
 def observe_all(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup], dict[str, torch.Tensor]],
@@ -92,11 +95,13 @@ class NaNCheck:
         self.flags: dict[str, torch.Tensor] = {}
 
     def note(self, policy: Policy, scores: torch.Tensor) -> None:
-        nan = torch.isnan(scores).any()
         if scores.device.type == "cpu":
-            if bool(nan):
+            # one reduction where two would do: the sum is NaN for any NaN (and for +inf next to -inf, which the exact
+            # test then clears); a decode step's few ops cost more in dispatch than in arithmetic
+            if math.isnan(scores.sum().item()) and bool(torch.isnan(scores).any()):
                 self._raise(policy.name)
             return
+        nan = torch.isnan(scores).any()
         flag = self.flags.get(policy.name)
         self.flags[policy.name] = nan if flag is None else flag | nan
         self.calls += 1
