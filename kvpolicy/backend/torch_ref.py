@@ -129,9 +129,10 @@ def attend_tracking(
     stats_dtype = torch.float32
     if queries == 1 and mask_for is None and needs <= DECODE_STATS:
         return _decode_step(query, keys, values, scaling, needs, last_rows)
-    colsum = torch.zeros(batch, kv_heads, total_slots, dtype=stats_dtype, device=query.device)
-    colsum_sq = torch.zeros_like(colsum) if "colsum_sq" in needs else None
-    below = torch.zeros_like(colsum) if "below_uniform" in needs else None
+    per_key = (batch, kv_heads, total_slots)
+    colsum = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum" in needs else None
+    colsum_sq = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum_sq" in needs else None
+    below = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "below_uniform" in needs else None
     # per query head, for policies that do not reduce over the group by the mean (FastGen's profile)
     per_head = (batch, kv_heads, groups, total_slots)
     heads_sum = torch.zeros(per_head, dtype=stats_dtype, device=query.device) if "colsum_heads" in needs else None
@@ -169,8 +170,8 @@ def attend_tracking(
         if query_valid is not None:  # pads add nothing to the statistics
             valid_rows = query_valid[:, None, None, lo:hi].expand(batch, kv_heads, groups, hi - lo)
             inverse = inverse * valid_rows.reshape(batch, kv_heads, rows, 1)
-        # the column sums of the normalized probabilities, without normalizing: a vector-matrix product
-        colsum[..., :slots] += torch.matmul(inverse.transpose(-1, -2), weights).squeeze(-2).div_(groups)
+        if colsum is not None:  # the column sums of the normalized probabilities, without normalizing them first
+            colsum[..., :slots] += torch.matmul(inverse.transpose(-1, -2), weights).squeeze(-2).div_(groups)
         if rows_out is not None:
             first = queries - rows_out.shape[2]
             if hi > first:

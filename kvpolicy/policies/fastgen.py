@@ -344,7 +344,8 @@ class FastGen(Policy):
         window = share(self.params.local_ratio, view.seen)[:, None].expand(valid.shape[:2])
         newest = view.recent_mask(window)
         frequent_count = share(self.params.frequency_ratio, view.seen)  # [B]
-        rank_of = ranks(stats.colsum.masked_fill(~valid, -torch.inf), dim=2, descending=True)  # 0 = most attended
+        attended = heads_sum.mean(dim=2)  # the column sums, from the statistic the profile asks for
+        rank_of = ranks(attended.masked_fill(~valid, -torch.inf), dim=2, descending=True)  # 0 = most attended
         near_total = near.sum(dim=3).double()
         recoveries, costs = [], []
         for bits in self.candidates:  # a handful of candidates; everything inside is vectorized
@@ -361,7 +362,7 @@ class FastGen(Policy):
                 excluded = kept | (newest if bits & LOCAL else torch.zeros_like(valid))
                 pool = valid & ~excluded
                 # the top `frequent_count` of the pool by column sum: ranks among pool members only
-                pool_rank = (ranks(stats.colsum.masked_fill(~pool, -torch.inf), dim=2, descending=True)
+                pool_rank = (ranks(attended.masked_fill(~pool, -torch.inf), dim=2, descending=True)
                              if bool(excluded.any()) else rank_of)
                 kept |= pool & (pool_rank < frequent_count[:, None, None])
             if bits & LOCAL:
