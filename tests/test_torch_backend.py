@@ -96,3 +96,50 @@ def test_only_the_statistics_asked_for_are_computed(needs):
     )
     for name in EVERY_STAT:
         assert (getattr(stats, name) is not None) == (name in needs), name
+
+
+def count_calls(monkeypatch, name):
+    calls = []
+    original = getattr(torch_ref, name)
+    monkeypatch.setattr(torch_ref, name, lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
+@pytest.mark.parametrize("logits", ["ordinary", "overflowing", "underflowing"])
+def test_logits_out_of_exp2s_range_take_the_shifted_path_and_stay_exact(monkeypatch, logits):
+    """Without each row's maximum, exp2 of large logits overflows and of very negative ones vanishes: such a chunk is
+    redone with the maximum subtracted. Ordinary logits never are (the fast path is the one taken)."""
+    monkeypatch.setattr(torch_ref, "_CHUNK_QUERIES", 16)
+    shifted = count_calls(monkeypatch, "_shifted_exp2_attend")
+    query, keys, values, mask, query_valid, past = make_call(seed=3)
+    if logits == "overflowing":  # row maxima past 60 in base 2
+        query = query * 12.0
+    if logits == "underflowing":  # one more dimension adds -53 (natural units) to every logit: softmax is unchanged
+        query = torch.cat([query, torch.full_like(query[..., :1], -300.0)], dim=-1)
+        keys = torch.cat([keys, torch.ones_like(keys[..., :1])], dim=-1)
+        values = torch.cat([values, torch.zeros_like(values[..., :1])], dim=-1)
+    scaling = query.shape[-1] ** -0.5
+    out, stats = torch_ref.attend_tracking(
+        query, keys, values, lambda lo, hi, width: mask[:, :, lo:hi, :width], scaling, EVERY_STAT, query_valid,
+        past, 5,
+    )
+    # float64: at logits of 50-70 float32's own rounding of them moves probabilities by ~1e-5, here and in any reference
+    ref_out, ref = dense_reference(query.double(), keys.double(), values.double(), mask, query_valid, scaling, 5)
+    tolerance = 1e-5 if logits == "ordinary" else 5e-5
+    torch.testing.assert_close(out, ref_out.float(), atol=tolerance, rtol=tolerance)
+    for name, expected in ref.items():
+        torch.testing.assert_close(getattr(stats, name), expected.float(), atol=2 * tolerance, rtol=2 * tolerance,
+                                   msg=name)
+    assert bool(out.isfinite().all())
+    assert (len(shifted) > 0) == (logits != "ordinary")
+
+
+def test_tracking_under_autograd_gives_the_same_numbers():
+    """The logits buffer is written with ``out=``, which autograd refuses: a call that tracks gradients does not."""
+    query, keys, values, _, _, _ = make_call(seed=4, past=0, queries=40)
+    with torch.no_grad():
+        expected, _ = torch_ref.attend_tracking(query, keys, values, None, 0.2, frozenset({"colsum"}), None, 0)
+    out, stats = torch_ref.attend_tracking(query.requires_grad_(), keys, values, None, 0.2, frozenset({"colsum"}),
+                                           None, 0)
+    torch.testing.assert_close(out, expected)
+    assert out.requires_grad

@@ -20,14 +20,16 @@ from .call import AttentionCall, AttentionResult
 DECODE_STATS = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows"})
 # probabilities held at once per chunk, summed over batch and heads: small enough to stay in cache
 _CHUNK_ELEMENTS = 1 << 22
-# and at most this many queries per chunk: SmolLM2's prefill with H2O's statistics on one thread ran
-# 1.09x / 1.21x plain SDPA at 2K / 4K tokens with 32, 1.12x / 1.24x with 4M elements alone (~100-400
-# queries), 1.13x / 1.30x with 64. (SDPA's fused output plus a separate exp2(qk - lse) pass for the
-# statistics measured 1.42x / 1.47x: two passes over Q K^T cost more than one softmax here.) Since then the
-# softmax is unnormalized (`_unnormalized_softmax_`): one layer at 4K tokens, 1.30x -> 1.13x SDPA (16 / 32 / 48
-# queries: 1.24x / 1.13x / 1.12x).
+# and at most this many queries per chunk: SmolLM2's prefill with H2O's statistics on one thread ran 1.09x / 1.21x
+# plain SDPA at 2K / 4K tokens with 32, 1.12x / 1.24x with 4M elements alone (~100-400 queries), 1.13x / 1.30x with
+# 64; one layer at 4K, after the shift-free exp2 and the logits buffer: 16 / 24 / 32 / 48 queries 1.41x / 1.32x /
+# 1.28x / 1.23x SDPA. (SDPA's fused output plus a separate exp2(qk - lse) pass for the statistics measured 1.42x /
+# 1.47x: two passes over Q K^T cost more than one softmax here.)
 _CHUNK_QUERIES = 32
 _LOG2_E = 1.4426950408889634
+# a chunk's row sums of exp2(logits) without the row maximum subtracted are used as they are inside this range: far
+# from float32's limits (2^-126, 2^128), no weight, output or 1 / sum overflows or loses precision to subnormals
+_SUM_FLOOR, _SUM_CEILING = 2.0 ** -60, 2.0 ** 60
 # statistics that read every normalized probability (the column sums do not: see `attend_tracking`)
 _ELEMENT_STATS = frozenset({"colsum_sq", "colsum_heads", "near_colsum_heads", "below_uniform"})
 
@@ -149,27 +151,28 @@ def attend_tracking(
     chunk = max(1, min(queries, _CHUNK_QUERIES, _CHUNK_ELEMENTS // max(1, batch * q_heads * total_slots)))
     # base-2 logits: exp2 is cheaper than exp, and the scale folds into the (small) query
     grouped = (query.to(stats_dtype) * (scaling * _LOG2_E)).view(batch, kv_heads, groups, queries, dim)
+    operands = _ChunkOperands(keys, values, stats_dtype, batch * kv_heads * groups * chunk * total_slots)
+    shift_free = query.device.type == "cpu"  # its range check reads each chunk's row sums on the host: free on a CPU
     for lo in range(0, queries, chunk):
         hi = min(queries, lo + chunk)
         slots = min(total_slots, past_slots + hi)
         rows = groups * (hi - lo)
         q_chunk = grouped[:, :, :, lo:hi].reshape(batch, kv_heads, rows, dim)
-        logits = torch.matmul(q_chunk, keys[:, :, :slots].to(stats_dtype).transpose(-1, -2))
-        logits5 = logits.view(batch, kv_heads, groups, hi - lo, slots)
-        if mask_for is None:
-            mask = None
-            if hi - lo > 1:  # causality only bites inside the chunk's own diagonal block
-                future = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=query.device).triu_(1)
-                logits5[..., slots - (hi - lo) :].masked_fill_(future, -torch.inf)
-        else:
-            mask = mask_for(lo, hi, slots)[:, :, None]  # [B, Hkv, 1, c, slots]
-            logits5.masked_fill_(~mask, -torch.inf)
-        weights, inverse = _unnormalized_softmax_(logits)
-        out = torch.matmul(weights, values[:, :, :slots].to(stats_dtype)).mul_(inverse)
+        mask = None if mask_for is None else mask_for(lo, hi, slots)[:, :, None]  # [B, Hkv, 1, c, slots]
+        real_rows = None
+        if query_valid is not None:
+            real_rows = query_valid[:, None, None, lo:hi].expand(batch, kv_heads, groups, hi - lo)
+            real_rows = real_rows.reshape(batch, kv_heads, rows, 1)
+        values_and_ones = operands.values_and_ones[:, :, :slots]
+        attended = None
+        if shift_free:
+            attended = _exp2_attend(operands.logits(q_chunk, hi - lo, slots, mask), values_and_ones, real_rows)
+        if attended is None:  # off CPU, or a row out of exp2's range without its maximum: the exact path
+            attended = _shifted_exp2_attend(operands.logits(q_chunk, hi - lo, slots, mask), values_and_ones)
+        weights, inverse, out = attended
         outputs.append(out.view(batch, q_heads, hi - lo, dim))
-        if query_valid is not None:  # pads add nothing to the statistics
-            valid_rows = query_valid[:, None, None, lo:hi].expand(batch, kv_heads, groups, hi - lo)
-            inverse = inverse * valid_rows.reshape(batch, kv_heads, rows, 1)
+        if real_rows is not None:  # pads add nothing to the statistics
+            inverse = inverse * real_rows
         if colsum is not None:  # the column sums of the normalized probabilities, without normalizing them first
             colsum[..., :slots] += torch.matmul(inverse.transpose(-1, -2), weights).squeeze(-2).div_(groups)
         if rows_out is not None:
@@ -191,8 +194,8 @@ def attend_tracking(
         if below is not None:
             if mask is None:
                 mask = _causal_mask(past_slots, lo, hi, slots, query.device)
-            attended = mask.sum(dim=-1, keepdim=True).clamp(min=1)
-            is_below = mask & (probs * attended < 1.0)
+            seen = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+            is_below = mask & (probs * seen < 1.0)
             if query_valid is not None:
                 is_below = is_below & query_valid[:, None, None, lo:hi, None]
             below[..., :slots] += is_below.float().sum(dim=3).mean(dim=2)
@@ -205,14 +208,66 @@ def attend_tracking(
     return output, stats
 
 
-def _unnormalized_softmax_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp2(logits - row max)`` in place, and each row's 1 / sum (0 for a row that sees no key, whose output and
-    statistics are then 0): the output and the column sums take the normalization after their matmuls, which
-    saves softmax's pass over the probabilities."""
+class _ChunkOperands:
+    """The keys and values as a chunk's matmuls read them fastest, made once per call: the keys transposed and
+    contiguous, the values with a column of ones (the output's matmul then returns each row's sum of weights too,
+    which saves a pass over the chunk's weights), and one buffer that every chunk's logits are written into (a fresh
+    multi-MB tensor per chunk faults in new pages: one layer at 4K tokens spent ~40% longer in its Q K^T)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, buffer_elements: int):
+        self.keys_t = keys.to(dtype).transpose(-1, -2).contiguous()
+        ones = values.new_ones((*values.shape[:-1], 1), dtype=dtype)
+        self.values_and_ones = torch.cat([values.to(dtype), ones], dim=-1)
+        self.buffer = keys.new_empty(buffer_elements, dtype=dtype)
+        self._future: torch.Tensor | None = None  # [c, c] bool: a chunk's diagonal block, above the diagonal
+
+    def logits(self, q_chunk: torch.Tensor, queries: int, slots: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, Hkv, G * c, slots] base-2 logits of a chunk of ``queries`` (c) queries, -inf where ``mask``
+        ([B, Hkv, 1, c, slots] bool) is False, or (``mask`` None) past each query's own slot."""
+        batch, kv_heads, rows, _ = q_chunk.shape
+        keys_t = self.keys_t[..., :slots]
+        if torch.is_grad_enabled() and (q_chunk.requires_grad or keys_t.requires_grad):
+            logits = torch.matmul(q_chunk, keys_t)  # out= takes no part in autograd
+        else:
+            into = self.buffer[: batch * kv_heads * rows * slots].view(batch, kv_heads, rows, slots)
+            logits = torch.matmul(q_chunk, keys_t, out=into)
+        per_query = logits.view(batch, kv_heads, rows // queries, queries, slots)
+        if mask is not None:
+            per_query.masked_fill_(~mask, -torch.inf)
+        elif queries > 1:  # causality only bites inside the chunk's own diagonal block
+            if self._future is None or self._future.shape[0] < queries:
+                self._future = torch.ones(queries, queries, dtype=torch.bool, device=logits.device).triu_(1)
+            per_query[..., slots - queries :].masked_fill_(self._future[:queries, :queries], -torch.inf)
+        return logits
+
+
+def _exp2_attend(logits: torch.Tensor, values_and_ones: torch.Tensor, real_rows: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(weights, each row's 1 / sum, output) of a chunk from ``exp2(logits)`` taken in place without subtracting
+    each row's maximum (softmax does not change with the shift; skipping it saves two passes over the chunk), or
+    None where a real row's sum leaves the range in which that is exact: the caller then takes the shifted path.
+    Rows that are not ``real_rows`` (pads) may sum to 0: their output and weight are 0."""
+    weights = logits.exp2_()
+    out = torch.matmul(weights, values_and_ones)
+    total = out[..., -1:]
+    in_range = (total > _SUM_FLOOR) & (total < _SUM_CEILING)
+    if real_rows is not None:
+        in_range |= ~real_rows & (total == 0)
+    if not bool(in_range.all()):
+        return None
+    inverse = torch.where(total > 0, total.reciprocal(), 0.0)
+    return weights, inverse, out[..., :-1] * inverse
+
+
+def _shifted_exp2_attend(logits: torch.Tensor, values_and_ones: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_exp2_attend` for any logits: ``exp2(logits - row max)`` (a row that sees no key gets weight and output 0)."""
     row_max = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, posinf=0.0, neginf=0.0)
     weights = logits.sub_(row_max).exp2_()
-    total = weights.sum(dim=-1, keepdim=True)
-    return weights, torch.where(total > 0, total.reciprocal(), 0.0)
+    out = torch.matmul(weights, values_and_ones)
+    total = out[..., -1:]
+    inverse = torch.where(total > 0, total.reciprocal(), 0.0)
+    return weights, inverse, out[..., :-1] * inverse
 
 
 def _causal_mask(past_slots: int, lo: int, hi: int, slots: int, device: torch.device) -> torch.Tensor:
