@@ -119,19 +119,31 @@ def test_logits_out_of_exp2s_range_take_the_shifted_path_and_stay_exact(monkeypa
         keys = torch.cat([keys, torch.ones_like(keys[..., :1])], dim=-1)
         values = torch.cat([values, torch.zeros_like(values[..., :1])], dim=-1)
     scaling = query.shape[-1] ** -0.5
+    needs = EVERY_STAT - {"below_uniform"}  # (which always takes the shifted path: see the test below)
     out, stats = torch_ref.attend_tracking(
-        query, keys, values, lambda lo, hi, width: mask[:, :, lo:hi, :width], scaling, EVERY_STAT, query_valid,
-        past, 5,
+        query, keys, values, lambda lo, hi, width: mask[:, :, lo:hi, :width], scaling, needs, query_valid, past, 5,
     )
     # float64: at logits of 50-70 float32's own rounding of them moves probabilities by ~1e-5, here and in any reference
     ref_out, ref = dense_reference(query.double(), keys.double(), values.double(), mask, query_valid, scaling, 5)
     tolerance = 1e-5 if logits == "ordinary" else 5e-5
     torch.testing.assert_close(out, ref_out.float(), atol=tolerance, rtol=tolerance)
-    for name, expected in ref.items():
-        torch.testing.assert_close(getattr(stats, name), expected.float(), atol=2 * tolerance, rtol=2 * tolerance,
+    for name in needs:
+        torch.testing.assert_close(getattr(stats, name), ref[name].float(), atol=2 * tolerance, rtol=2 * tolerance,
                                    msg=name)
     assert bool(out.isfinite().all())
     assert (len(shifted) > 0) == (logits != "ordinary")
+
+
+def test_below_uniform_counts_come_from_the_shifted_softmax(monkeypatch):
+    """A query that sees one key gives it probability 1, never below uniform: exact with the row maximum subtracted
+    (exp2(l) * (1 / exp2(l)) can round below 1)."""
+    free = count_calls(monkeypatch, "_exp2_attend")
+    query, keys, values, _, _, _ = make_call(seed=5, past=0, queries=40)
+    only_itself = torch.eye(40, dtype=torch.bool).expand(2, 2, 40, 40)
+    _, stats = torch_ref.attend_tracking(query, keys, values, lambda lo, hi, width: only_itself[:, :, lo:hi, :width],
+                                         0.2, frozenset({"below_uniform"}), None, 0)
+    assert not free
+    assert float(stats.below_uniform.max()) == 0.0
 
 
 def test_tracking_under_autograd_gives_the_same_numbers():
@@ -139,7 +151,6 @@ def test_tracking_under_autograd_gives_the_same_numbers():
     query, keys, values, _, _, _ = make_call(seed=4, past=0, queries=40)
     with torch.no_grad():
         expected, _ = torch_ref.attend_tracking(query, keys, values, None, 0.2, frozenset({"colsum"}), None, 0)
-    out, stats = torch_ref.attend_tracking(query.requires_grad_(), keys, values, None, 0.2, frozenset({"colsum"}),
-                                           None, 0)
+    out, _ = torch_ref.attend_tracking(query.requires_grad_(), keys, values, None, 0.2, frozenset({"colsum"}), None, 0)
     torch.testing.assert_close(out, expected)
     assert out.requires_grad

@@ -152,7 +152,9 @@ def attend_tracking(
     # base-2 logits: exp2 is cheaper than exp, and the scale folds into the (small) query
     grouped = (query.to(stats_dtype) * (scaling * _LOG2_E)).view(batch, kv_heads, groups, queries, dim)
     operands = _ChunkOperands(keys, values, stats_dtype, batch * kv_heads * groups * chunk * total_slots)
-    shift_free = query.device.type == "cpu"  # its range check reads each chunk's row sums on the host: free on a CPU
+    # its range check reads each chunk's row sums on the host: free on a CPU. Not for `below_uniform`: it compares each
+    # probability with 1/t, and a lone key's exp2(l) * (1 / exp2(l)) can round below 1 where exp2(0) * 1 does not
+    shift_free = query.device.type == "cpu" and "below_uniform" not in needs
     for lo in range(0, queries, chunk):
         hi = min(queries, lo + chunk)
         slots = min(total_slots, past_slots + hi)
