@@ -29,9 +29,10 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 import kvpolicy
-from kvpolicy.commands.common import parse_budget, parse_device, parse_dtype, torch_dtype
+from kvpolicy.commands.common import parse_device, parse_dtype, torch_dtype
 from kvpolicy.hf.session import attach
 from kvpolicy.recipe import load_recipe, with_budget
+from kvpolicy.recipe.budget import parse_budget
 
 
 def corpus(text_file: str | None) -> str:

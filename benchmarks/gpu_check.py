@@ -35,8 +35,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa: E402
 
 from kvpolicy.hf.session import attach, cache_keyword  # noqa: E402
-from kvpolicy.plan import Budget  # noqa: E402
 from kvpolicy.recipe import load_recipe, with_budget  # noqa: E402
+from kvpolicy.recipe.budget import Budget  # noqa: E402
 
 DEVICE = torch.device("cuda")
 

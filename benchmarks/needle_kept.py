@@ -19,9 +19,10 @@ import statistics
 import torch
 
 import kvpolicy
-from kvpolicy.commands.common import parse_budget, read_text
+from kvpolicy.commands.common import read_text
 from kvpolicy.hf.session import attach
 from kvpolicy.recipe import load_recipe, with_budget
+from kvpolicy.recipe.budget import parse_budget
 from kvpolicy.tasks.ruler import GENERATORS
 from kvpolicy.tasks.ruler.haystack import TextHaystack
 from kvpolicy.tasks.ruler.prompt import Sample

@@ -41,7 +41,7 @@ in a random order, against 2.75x for one range per cell widened as tokens arrive
 wider than over 32: for Gaussian data alone the expected span is ~6.1 against ~4.1 standard deviations, and the
 margins and re-encodings add more). A block widens to exactly the span needed: with a 25% margin the same blocks
 measured 9.1% (in order) and 16.0% (random order). Un-rotating the keys first (pre-RoPE, as KVQuant does, with
-`kvpolicy.rotary.rotate`; not in this script) measured 10.1% / 15.0% for a cell's range (fitted / streamed).
+`kvpolicy.backend.rotary.rotate`; not in this script) measured 10.1% / 15.0% for a cell's range (fitted / streamed).
 """
 
 from __future__ import annotations

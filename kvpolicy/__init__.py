@@ -19,10 +19,10 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _EXPORTS = {
     "AttentionStats": "kvpolicy.policies.base",
-    "Budget": "kvpolicy.plan",
+    "Budget": "kvpolicy.recipe.budget",
     "KVPolicyError": "kvpolicy.errors",
-    "MemoryReport": "kvpolicy.memory_report",
-    "Plan": "kvpolicy.plan",
+    "MemoryReport": "kvpolicy.cache.memory_report",
+    "Plan": "kvpolicy.recipe.plan",
     "Policy": "kvpolicy.policies.base",
     "PolicyCache": "kvpolicy.hf.cache",
     "Recipe": "kvpolicy.recipe",
@@ -45,15 +45,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .cache.memory_report import MemoryReport
     from .errors import KVPolicyError, RecipeError
     from .hf.cache import PolicyCache
     from .hf.models import load_model
     from .hf.session import Session, attach, attach_rows
     from .hookspecs import hookimpl
-    from .memory_report import MemoryReport
-    from .plan import Budget, Plan
     from .policies.base import AttentionStats, Policy, TokenView
     from .recipe import Recipe, load_recipe, with_budget
+    from .recipe.budget import Budget
+    from .recipe.plan import Plan
     from .registry import get_registry
 
 

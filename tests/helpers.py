@@ -8,7 +8,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from kvpolicy.hf.session import model_shape
-from kvpolicy.plan import UNBOUNDED, Budget, HeadPlan, LayerPlan, Plan
+from kvpolicy.recipe.budget import UNBOUNDED, Budget
+from kvpolicy.recipe.plan import HeadPlan, LayerPlan, Plan
 from kvpolicy.registry import get_registry
 
 

@@ -25,26 +25,29 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "kvpolicy"
 
-# Each entry covers the module of that name and every module under it (a package); entries for modules that
-# do not exist (yet) are fine. A module may import from its own layer and the layers below.
+# Each entry covers the module of that name and every module under it (a package). A module may import from its own
+# layer and the layers below. Every layer is folders, except the three modules of the plugin system at the top.
 LAYERS: dict[int, tuple[str, ...]] = {
-    0: (  # the policy side: recipes, plans, policies, the statistics' types; no engine
-        "kvpolicy.errors", "kvpolicy.plan", "kvpolicy.recipe", "kvpolicy.recipe_schema", "kvpolicy.recipe_checks",
-        "kvpolicy.recipe_budgets", "kvpolicy.recipe_selectors", "kvpolicy.registry", "kvpolicy.hookspecs",
-        "kvpolicy.policies",
+    0: (  # the policy side: recipes and plans, policies and their contract, the plugin registry; no engine
+        "kvpolicy.recipe", "kvpolicy.policies", "kvpolicy.registry", "kvpolicy.hookspecs", "kvpolicy.errors",
     ),
-    1: (  # kernels and storage
-        "kvpolicy.backend", "kvpolicy.storage", "kvpolicy.memory_report", "kvpolicy.rotary", "kvpolicy.layer",
-        "kvpolicy.budgets", "kvpolicy.policy_calls", "kvpolicy.static_decode",
+    1: (  # kernels and storage: attention with statistics, storage formats; torch only
+        "kvpolicy.backend", "kvpolicy.storage",
     ),
-    2: (  # engine integrations
+    2: (  # the cache layer: one layer's policies, budgets and store, whatever the engine
+        "kvpolicy.cache",
+    ),
+    3: (  # engine integrations
         "kvpolicy.hf", "kvpolicy.integrations", "kvpolicy.lmeval",
     ),
-    3: (  # commands
+    4: (  # commands
         "kvpolicy.commands", "kvpolicy.tasks",
     ),
 }
-LAYER_NAMES = {0: "policy side", 1: "kernels and storage", 2: "engine integrations", 3: "commands"}
+LAYER_NAMES = {0: "policy side", 1: "kernels and storage", 2: "cache layer", 3: "engine integrations", 4: "commands"}
+ENGINE_LAYER = 3
+#: the only modules at the package's top besides __init__.py (the rest live in the folders above)
+TOP_MODULES = ("kvpolicy.registry", "kvpolicy.hookspecs", "kvpolicy.errors")
 
 # third-party packages the lower layers never import (the extras: an engine that installs the core has none)
 NOT_BELOW_ENGINES = {"transformers", "rich", "matplotlib", "gguf", "accelerate", "safetensors", "vllm"}
@@ -237,7 +240,7 @@ def misplaced_packages(imports: list[Import], layers: dict[int, tuple[str, ...]]
         if imp.internal:
             continue
         layer = layer_of(imp.importer, layers)
-        if imp.target in NOT_BELOW_ENGINES and layer is not None and layer < 2:
+        if imp.target in NOT_BELOW_ENGINES and layer is not None and layer < ENGINE_LAYER:
             problems.append(f"{imp.importer} (layer {layer}, {LAYER_NAMES[layer]}) imports {imp.target} at line "
                             f"{imp.line}: only the engine integrations and the commands may")
         if imp.target == "triton" and not (imp.importer == TRITON_ONLY_IN
@@ -274,6 +277,18 @@ def test_every_module_has_a_layer():
                          "tests/test_architecture.py, in the layer of what it does (see docs/architecture.md)")
 
 
+def test_the_folders_are_the_layers():
+    """A layer is its folders (a newcomer reads the architecture from the listing): no loose module at the package's
+    top but the plugin system's, and every folder under kvpolicy/ in exactly the layer its entry names."""
+    modules = module_files()
+    loose = [name for name, path in modules.items() if name.count(".") == 1 and path.name != "__init__.py"
+             and name not in TOP_MODULES]
+    assert not loose, f"modules at kvpolicy's top: {loose}; move each into the folder of its layer"
+    folders = [entry for entries in LAYERS.values() for entry in entries if entry not in TOP_MODULES]
+    not_folders = [entry for entry in folders if not (modules.get(entry) and modules[entry].name == "__init__.py")]
+    assert not not_folders, f"layer entries that are not folders: {not_folders}"
+
+
 def test_no_import_circle(imports):
     cycles = find_cycles(runtime_graph(imports))
     assert not cycles, "import circles between kvpolicy modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
@@ -303,7 +318,7 @@ def test_the_package_imports_its_names_lazily(imports):
 
 
 def test_the_policy_side_imports_without_transformers():
-    code = ("import kvpolicy.recipe, kvpolicy.registry, kvpolicy.plan, kvpolicy.policies.builtin, sys; "
+    code = ("import kvpolicy.recipe, kvpolicy.registry, kvpolicy.recipe.plan, kvpolicy.policies.builtin, sys; "
             "from kvpolicy.recipe import load_recipe; load_recipe('h2o').resolve(4, 2); "
             "import kvpolicy; kvpolicy.Budget, kvpolicy.Policy, kvpolicy.load_recipe; "
             "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -333,7 +348,7 @@ def test_checker_finds_a_circle():
                                  ("kvpolicy.commands.compare", "kvpolicy.commands.bench"),
                                  ("kvpolicy.commands.bench", "kvpolicy.commands.cli"),
                                  ("kvpolicy.commands.bench", "kvpolicy.recipe"),
-                                 ("kvpolicy.recipe", "kvpolicy.plan")]))
+                                 ("kvpolicy.recipe", "kvpolicy.recipe.plan")]))
     assert find_cycles(graph) == [["kvpolicy.commands.bench", "kvpolicy.commands.cli", "kvpolicy.commands.compare",
                                    "kvpolicy.commands.bench"]]
     assert find_cycles({"a": {"a"}}) == [["a", "a"]]
@@ -349,11 +364,12 @@ def test_checker_finds_a_wrong_way_import_and_a_misplaced_package():
                   ("kvpolicy.backend.triton_kernels", "triton")])  # fine
     problems = wrong_way(fake)
     assert len(problems) == 2
-    assert problems[0].startswith("kvpolicy.policies.h2o (layer 0, policy side) imports kvpolicy.hf.cache (layer 2")
-    assert problems[1].startswith("kvpolicy.hf.cache (layer 2, engine integrations) imports kvpolicy.commands.compare")
+    assert problems[0].startswith("kvpolicy.policies.h2o (layer 0, policy side) imports kvpolicy.hf.cache (layer 3")
+    assert problems[1].startswith("kvpolicy.hf.cache (layer 3, engine integrations) imports kvpolicy.commands.compare")
     misplaced = misplaced_packages(fake)
     assert len(misplaced) == 2 and "kvpolicy.recipe" in misplaced[0] and "kvpolicy.hf.session" in misplaced[1]
     assert layer_of("kvpolicy.storage.dense") == 1 and layer_of("kvpolicy.somewhere_new") is None
+    assert layer_of("kvpolicy.cache.layer") == 2 and layer_of("kvpolicy.recipe.budget") == 0
 
 
 def test_reader_resolves_relative_and_function_level_imports(tmp_path):
@@ -381,3 +397,41 @@ def test_every_package_ships():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / PACKAGE).rglob("__init__.py")}
     assert folders <= listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(folders - listed)}"
+
+
+# --- the graph in numbers ---------------------------------------------------------------------------------------
+
+
+def graph_summary(root: Path = ROOT / PACKAGE) -> dict[str, int]:
+    """The import graph's size, between kvpolicy's top-level rooms (a folder, or a module at the top; the package's
+    __init__ its own): rooms, levels (the longest chain of imports, plus one), imports between rooms and those
+    that run up the layers."""
+    imports = read_imports(module_files(root))
+
+    def room(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 1 else module
+
+    edges = {(room(i.importer), room(i.target)) for i in imports if i.internal and not i.type_only}
+    edges = {(a, b) for a, b in edges if a != b}
+    rooms = {room(name) for name in module_files(root)}
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+    levels: dict[str, int] = {}
+
+    def level(node: str, seen: frozenset = frozenset()) -> int:
+        if node not in levels:
+            below = [level(n, seen | {node}) for n in graph.get(node, ()) if n not in seen]
+            levels[node] = 1 + max(below, default=0)
+        return levels[node]
+
+    return {"modules": len(module_files(root)), "rooms": len(rooms), "levels": max(level(r) for r in rooms),
+            "imports between rooms": len(edges), "module imports": len({(i.importer, i.target) for i in imports
+                                                                         if i.internal and not i.type_only}),
+            "running up the layers": len(wrong_way(imports))}
+
+
+if __name__ == "__main__":
+    # python tests/test_architecture.py [ROOT]: the numbers of the graph, e.g. for a checkout of an older commit
+    print(graph_summary(Path(sys.argv[1]) / PACKAGE if len(sys.argv) > 1 else ROOT / PACKAGE))

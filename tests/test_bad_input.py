@@ -29,13 +29,14 @@ from tiny_models import padded_batch, tiny_model
 
 from kvpolicy import hookimpl
 from kvpolicy.commands.cli import main
-from kvpolicy.commands.common import MAX_TOKENS, parse_budget
 from kvpolicy.commands.output_files import OutputLock
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf import attention as attention_module
 from kvpolicy.hf.session import attach, attach_rows
-from kvpolicy.plan import BY_POLICY, Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.policies.base import Policy
+from kvpolicy.recipe.budget import BY_POLICY, Budget, parse_budget
+from kvpolicy.recipe.plan import HeadPlan, LayerPlan, Plan
+from kvpolicy.recipe.schema import MAX_TOKENS
 from kvpolicy.registry import Registry
 
 CLI = str(Path(sys.executable).with_name("kvpolicy"))

@@ -23,8 +23,8 @@ from kvpolicy.commands.bench_meter import PeakMeter, cache_bytes
 from kvpolicy.commands.cli import main
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget
 from kvpolicy.recipe import load_recipe, with_budget
+from kvpolicy.recipe.budget import Budget
 
 
 def read(path) -> list[dict]:

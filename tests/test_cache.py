@@ -11,7 +11,7 @@ from tiny_models import padded_batch, tiny_model
 
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget
+from kvpolicy.recipe.budget import Budget
 
 LENGTHS = (17, 11, 6)
 

@@ -88,8 +88,8 @@ def test_policies_and_recipes_listings(capsys):
 
 @pytest.mark.parametrize("budget,ok", [("0.2", True), ("512", True), ("0", False), ("1.5", False), ("x", False)])
 def test_budget_argument(budget, ok):
-    from kvpolicy.commands.common import parse_budget
     from kvpolicy.errors import KVPolicyError
+    from kvpolicy.recipe.budget import parse_budget
 
     if ok:
         parse_budget(budget)

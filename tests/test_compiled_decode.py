@@ -11,8 +11,8 @@ from tiny_models import padded_batch, tiny_model
 import kvpolicy
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf.compiled import _model_step, static_blockers
-from kvpolicy.plan import Budget
 from kvpolicy.recipe import load_recipe, with_budget
+from kvpolicy.recipe.budget import Budget
 
 POLICIES = ["h2o", "streaming", "window", "tova", "snapkv", "scissorhands"]
 BUDGET, NEW_TOKENS = 8, 12
@@ -57,8 +57,8 @@ def test_the_decode_step_is_one_graph_without_breaks(model, name):
     cache, token = prefilled(model, name)
     assert static_blockers(cache) == []
     for layer in cache.layers:
-        layer._nan_check.prime([group.policy.name for group in layer.groups], token.device)
-        layer.static = True
+        layer.static_step.prime(token.device)
+        layer.static_step.active = True
     positions = cache.layers[0].tokens_seen[:, None].clone()
     mask = torch.ones(token.shape[0], 1, 1, 1, dtype=torch.bool)
     with torch.inference_mode():

@@ -126,13 +126,28 @@ def test_docs_name_only_real_modules_and_commands():
 
     subcommands = set(build_parser()._subparsers._group_actions[0].choices)
     for page in PAGES:
-        if page.name in ("DESIGN.md", "POLICIES.md"):  # the specifications, as written
-            continue
         text = page.read_text()
         for path in re.findall(r"`(kvpolicy/[\w/]+(?:\.py)?)`", text):
             assert (ROOT / path).exists(), f"{page_id(page)} names {path}, which does not exist"
         for command in re.findall(r"`kvpolicy ([a-z]+)\b", text):
             assert command in subcommands, f"{page_id(page)} names `kvpolicy {command}`, not a command"
+
+
+#: a Markdown link or image: [text](target) or ![alt](target "title")
+LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)(?:\s+"[^"]*")?\)')
+
+
+def test_links_point_at_files_that_exist():
+    """Every relative link of the docs and the README names a file that exists (mkdocs checks the
+    docs too, but only where it is installed, and never the README)."""
+    for page in [*PAGES, ROOT / "README.md"]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # not inside code blocks
+        text = re.sub(r"`[^`\n]*`", "", text)  # nor inline code
+        for target in LINK.findall(text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor of the page itself
+            path = target.split("#", 1)[0]
+            assert (page.parent / path).exists(), f"{page.relative_to(ROOT)} links to {target}, which does not exist"
 
 
 def test_nav_lists_every_page():

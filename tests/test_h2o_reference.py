@@ -7,7 +7,7 @@ from helpers import run_against_reference, uniform_plan
 from policy_references import BruteForceH2O
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.plan import Budget
+from kvpolicy.recipe.budget import Budget
 
 STEPS = 21  # the prefill pass plus 20 decode steps
 

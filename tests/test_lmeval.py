@@ -139,11 +139,11 @@ def test_rolling_with_the_full_cache_equals_one_forward_pass(tiny_lm):
 
 
 def test_bad_arguments_are_named(tiny_lm):
-    from kvpolicy.lmeval.model import parse_budget
+    from kvpolicy.recipe.budget import parse_budget
 
     assert parse_budget(0.2).ratio == 0.2 and parse_budget("512").tokens == 512
     for bad in ("abc", "0", "1.5", "-3"):
-        with pytest.raises(KVPolicyError, match="budget="):
+        with pytest.raises(KVPolicyError, match="budget '"):
             parse_budget(bad)
     with pytest.raises(KVPolicyError, match="not a built-in recipe"):
         tiny_lm("h2oo")

@@ -9,7 +9,7 @@ from tiny_models import ARCHS, padded_batch, tiny_model
 
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget
+from kvpolicy.recipe.budget import Budget
 
 STEPS = 20
 POLICIES = [

@@ -10,8 +10,8 @@ from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget
 from kvpolicy.policies.base import AttentionStats, TokenView
+from kvpolicy.recipe.budget import Budget
 from kvpolicy.registry import get_registry
 
 LENGTHS = (17, 11, 6)
@@ -197,10 +197,10 @@ def test_params_are_validated(policy, params, message):
 
 def test_evicts_and_is_limited():
     """`Policy.evicts` (False: budgets do not apply) and `Budget.is_limited` (an amount is given)."""
-    from kvpolicy.plan import BY_POLICY, UNBOUNDED, Budget
     from kvpolicy.policies.base import Policy
     from kvpolicy.policies.fastgen import FastGen
     from kvpolicy.policies.full import Full
+    from kvpolicy.recipe.budget import BY_POLICY, UNBOUNDED, Budget
 
     assert Policy.evicts and FastGen.evicts and not Full.evicts
 

@@ -20,7 +20,7 @@ from policy_references import (
 )
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.plan import Budget
+from kvpolicy.recipe.budget import Budget
 
 STEPS = 9  # the prefill pass plus 8 decode steps
 FG_SPECIAL = (3, 5)

@@ -13,8 +13,8 @@ from tiny_models import padded_batch, tiny_model
 from kvpolicy.commands.cli import main
 from kvpolicy.errors import RecipeError
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import UNBOUNDED, Budget
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget
+from kvpolicy.recipe.budget import UNBOUNDED, Budget
 
 NEW_RECIPES = ["h2o-recent75", "tova", "snapkv", "snapkv-wide", "pyramidkv", "scissorhands", "roco"]
 

@@ -13,8 +13,9 @@ from tiny_models import padded_batch, tiny_model
 
 import kvpolicy.storage.ragged
 from kvpolicy.hf.session import attach, attach_rows, model_shape
-from kvpolicy.plan import Budget, HeadPlan, LayerPlan, Plan
 from kvpolicy.recipe import load_recipe
+from kvpolicy.recipe.budget import Budget
+from kvpolicy.recipe.plan import HeadPlan, LayerPlan, Plan
 from kvpolicy.registry import get_registry
 
 
@@ -253,7 +254,8 @@ sys.path.insert(0, "tests")
 from helpers import StepRecorder, greedy, uniform_plan
 from tiny_models import padded_batch, tiny_model
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget, HeadPlan, LayerPlan
+from kvpolicy.recipe.budget import Budget
+from kvpolicy.recipe.plan import HeadPlan, LayerPlan
 
 model = tiny_model("llama")
 ids, mask = padded_batch(lengths=(17, 12, 9))

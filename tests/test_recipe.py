@@ -9,8 +9,8 @@ import pytest
 
 import kvpolicy
 from kvpolicy.errors import RecipeError
-from kvpolicy.plan import UNBOUNDED, Budget
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget
+from kvpolicy.recipe.budget import UNBOUNDED, Budget
 
 CORE = ["full", "h2o", "mixed", "streaming", "window"]
 BUILTINS = builtin_recipe_names()  # every shipped recipe must load and resolve

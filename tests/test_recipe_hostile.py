@@ -13,7 +13,7 @@ import pytest
 
 from kvpolicy.errors import RecipeError
 from kvpolicy.recipe import load_recipe
-from kvpolicy.recipe_checks import MAX_RECIPE_BYTES
+from kvpolicy.recipe.checks import MAX_RECIPE_BYTES
 
 HEAD = "kvpolicy: 1\npolicy: h2o\nbudget: {ratio: 0.2}\n"
 

@@ -99,7 +99,7 @@ def test_policy_with_bad_scores_fails_with_its_name(score, message):
     from tiny_models import tiny_model
 
     from kvpolicy.hf.session import attach
-    from kvpolicy.plan import Budget
+    from kvpolicy.recipe.budget import Budget
 
     bad = type("Bad", (Policy,), {"name": "test_bad", "score": score})
     registry = Registry(load_entry_points=False)

@@ -149,7 +149,7 @@ def test_snapkv_wide_keeps_the_passkey_at_20_percent(smollm2):
     `snapkv-wide` repeats the key at every depth (measured 10/10 over two trials); the paper's
     settings lose its tail (0/10), which is why the wide recipe exists.
     """
-    from kvpolicy.plan import Budget
+    from kvpolicy.recipe.budget import Budget
     from kvpolicy.tasks.base import Context, Row
     from kvpolicy.tasks.passkey import DEPTHS, NEW_TOKENS, greedy_answers, make_prompt
 

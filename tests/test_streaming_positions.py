@@ -10,7 +10,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.models.llama.modeling_llama import rotate_half
 
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget
+from kvpolicy.recipe.budget import Budget
 
 NAME = "streaming_incache_reference"
 

@@ -10,12 +10,12 @@ import torch
 from helpers import uniform_plan
 from tiny_models import VOCAB, tiny_model
 
-from kvpolicy.budgets import tier_sizes, waiting_room
 from kvpolicy.errors import KVPolicyError, RecipeError
 from kvpolicy.hf.session import attach
-from kvpolicy.plan import Budget, Tier
 from kvpolicy.recipe import load_recipe
+from kvpolicy.recipe.budget import Budget, Tier
 from kvpolicy.storage.tier_formats import TierCosts
+from kvpolicy.storage.tier_sizing import tier_sizes, waiting_room
 from kvpolicy.storage.tiered import TieredStore
 
 

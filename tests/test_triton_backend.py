@@ -175,8 +175,16 @@ def assert_counts_close(mine, theirs, case, mode):
 
 
 # --- kernels against the reference ------------------------------------------------------------------
+def distinct_blocks(space: list[dict], block_keys: tuple[str, ...]) -> list[dict]:
+    """One entry per distinct block-size combination (under the interpreter warps and stages change nothing)."""
+    seen: dict[tuple, dict] = {}
+    for entry in space:
+        seen.setdefault(tuple(entry[k] for k in block_keys), entry)
+    return list(seen.values())
+
+
 def _tuning_spaces():
-    from kvpolicy.backend.triton_tuning import DECODE_SPACE, FORWARD_SPACE, STATS_SPACE, distinct_blocks
+    from kvpolicy.backend.triton_tuning import DECODE_SPACE, FORWARD_SPACE, STATS_SPACE
 
     decode = distinct_blocks(DECODE_SPACE, ("dec_n",))
     forward = distinct_blocks(FORWARD_SPACE, ("fwd_m", "fwd_n"))
@@ -392,7 +400,7 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
     from tiny_models import padded_batch, tiny_model
 
     from kvpolicy.backend.triton_kernels import attend_tracking_triton
-    from kvpolicy.plan import Budget
+    from kvpolicy.recipe.budget import Budget
 
     model = tiny_model("llama").to(DEVICE)  # 6 query heads over 2 KV heads (G=3), head dim 16
     ids, mask = (tensor.to(DEVICE) for tensor in padded_batch(lengths=(17, 12, 9)))

@@ -109,8 +109,8 @@ def reference_model():
 def attached_with_vllm_slack(model, recipe_name: str):
     """A kvpolicy session of the recipe with the slack the vLLM integration uses (a block's worth)."""
     import kvpolicy
-    from kvpolicy.plan import Budget
     from kvpolicy.recipe import load_recipe, with_budget
+    from kvpolicy.recipe.budget import Budget
 
     recipe = load_recipe(recipe_name)
     recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))

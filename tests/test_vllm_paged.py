@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from kvpolicy.backend.dispatch import attend
+from kvpolicy.cache.layer import PolicyLayer
+from kvpolicy.cache.policy_group import LayerPolicies, make_policies
 from kvpolicy.errors import KVPolicyError
 from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks, Workspace
-from kvpolicy.integrations.vllm.schedule import BudgetRule, RequestSchedule, peak_blocks
+from kvpolicy.integrations.vllm.schedule import RequestSchedule, peak_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
-from kvpolicy.layer import PolicyLayer
-from kvpolicy.policy_calls import group_cells
 from kvpolicy.recipe import load_recipe
+from kvpolicy.recipe.budget import Budget
 from kvpolicy.registry import get_registry
 
 HKV, GROUPS, DIM, BLOCK = 2, 2, 8, 4
@@ -33,13 +34,8 @@ def recipe(policy: str, budget: dict, slack: int, params: dict | None = None) ->
 
 def dense_layer(spec: dict) -> PolicyLayer:
     plan = load_recipe(spec).resolve(1, HKV)
-    registry = get_registry()
-    policies = {}
-    for head in plan.layers[0].heads:
-        cls = registry.get(head.policy)
-        policies.setdefault(head.policy_key, cls(head.params))
-    groups = group_cells([[h.policy_key for h in plan.layers[0].heads]], policies)
-    return PolicyLayer(0, [plan.layers[0]], groups)
+    policies = make_policies([plan], get_registry())
+    return PolicyLayer(0, [plan.layers[0]], LayerPolicies.of_rows([plan.layers[0]], policies))
 
 
 class PagedRequest:
@@ -82,10 +78,10 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
     dense = [dense_layer(spec) for _ in range(requests)]
     plan = paged_plan(Settings(recipe=spec, slack=spec["budget"]["slack"]), 1, HKV, BLOCK)
     layer = plan.layers[0]
-    policies = PagedPolicies(layer.groups, backend=backend)
+    policies = PagedPolicies(layer.policies, backend=backend)
     total_blocks = 64
     kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM, dtype=dtype)
-    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.groups)
+    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.policies)
     pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
     paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
     worst = 0.0
@@ -194,9 +190,9 @@ def test_paged_and_dense_keep_the_same_tokens():
     spec = recipe("h2o", {"tokens": 8}, slack=BLOCK - 1)
     torch.manual_seed(3)
     plan = paged_plan(Settings(recipe=spec, slack=BLOCK - 1), 1, HKV, BLOCK)
-    policies = PagedPolicies(plan.layers[0].groups)
+    policies = PagedPolicies(plan.layers[0].policies)
     kv = torch.zeros(16, HKV, BLOCK, 2 * DIM)
-    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], plan.layers[0].groups)
+    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], plan.layers[0].policies)
     dense = dense_layer(spec)
     pool = list(range(1, 16))
     request = PagedRequest(pool, plan.rules, plan.slack, prompt=11)
@@ -241,7 +237,7 @@ def test_gathering_into_a_workspace_gives_the_blocks_and_reuses_its_buffer():
 
 
 def test_schedule_frees_whole_blocks_and_holds_the_budget():
-    rule = BudgetRule(ratio=0.2)
+    rule = Budget(ratio=0.2)
     schedule = RequestSchedule((rule,), slack=31, block_size=32)
     prompt = 1500
     schedule.start_step(0, prefilling=True)
@@ -254,13 +250,13 @@ def test_schedule_frees_whole_blocks_and_holds_the_budget():
         schedule.start_step(done, prefilling=False)
         held = schedule.arena(0) + (math.ceil(done / 32) - max(hi, schedule.arena(0)))
         held_blocks.append(held)
-        assert schedule.held_tokens()[0] <= budget + 31
+        assert schedule.states[0].held <= budget + 31
     # steady state: the arena plus the block being filled and the one emptied a step ago
     assert max(held_blocks[64:]) <= schedule.arena(0) + 2
 
 
 def test_schedule_waits_for_the_prompt_and_answers_a_repeated_start_alike():
-    schedule = RequestSchedule((BudgetRule(ratio=0.5), BudgetRule(tokens=8)), slack=0, block_size=4)
+    schedule = RequestSchedule((Budget(ratio=0.5), Budget(tokens=8)), slack=0, block_size=4)
     assert schedule.start_step(0, prefilling=True) == (False, False)
     assert schedule.start_step(12, prefilling=True) == (False, True)  # tokens known; the ratio waits
     assert schedule.start_step(12, prefilling=True) == (False, True)
@@ -271,14 +267,14 @@ def test_schedule_waits_for_the_prompt_and_answers_a_repeated_start_alike():
 
 
 def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evicts_between_chunks():
-    whole = RequestSchedule((BudgetRule(ratio=0.2),), slack=31, block_size=32)
-    during = RequestSchedule((BudgetRule(ratio=0.2),), slack=31, block_size=32, evict_during_prefill=True)
+    whole = RequestSchedule((Budget(ratio=0.2),), slack=31, block_size=32)
+    during = RequestSchedule((Budget(ratio=0.2),), slack=31, block_size=32, evict_during_prefill=True)
     prompt, chunk = 1000, 128
     decisions = {"whole": [], "during": []}
     for start in range(0, prompt, chunk):
         decisions["whole"].append(whole.start_step(start, prefilling=True, prompt_tokens=prompt)[0])
         decisions["during"].append(during.start_step(start, prefilling=True, prompt_tokens=prompt)[0])
-        assert during.held_tokens()[0] <= 200 + 31 + chunk
+        assert during.states[0].held <= 200 + 31 + chunk
     assert not any(decisions["whole"]) and whole.states[0].budget is None  # waits for the whole prompt
     assert during.states[0].budget == 200
     # held 256 > 200 + 31 at the third chunk's start: back to 200; then at every chunk (200 + 128 > 231)
@@ -289,8 +285,8 @@ def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evi
 
 
 @pytest.mark.parametrize("prompt,chunk,rules", [
-    (1500, 256, (BudgetRule(ratio=0.2),)), (1001, 128, (BudgetRule(ratio=0.2),)), (760, 512, (BudgetRule(ratio=0.1),)),
-    (2000, 96, (BudgetRule(ratio=0.3), BudgetRule(tokens=64))),
+    (1500, 256, (Budget(ratio=0.2),)), (1001, 128, (Budget(ratio=0.2),)), (760, 512, (Budget(ratio=0.1),)),
+    (2000, 96, (Budget(ratio=0.3), Budget(tokens=64))),
 ])
 def test_peak_blocks_bounds_what_a_request_evicting_during_prefill_holds(prompt, chunk, rules):
     """vLLM's scheduler admits a request when `peak_blocks` are free: a request fed in chunks, with the manager's
@@ -341,10 +337,10 @@ def test_paged_plan_of_the_builtin_recipes():
     assert len(paged_plan(Settings(recipe="pyramidkv"), 30, 3, 32).rules) > 1  # a budget per layer
     assert paged_plan(Settings(recipe="full"), 30, 3, 32) is None  # evicts nothing: vLLM runs stock
     assert paged_plan(Settings(recipe="h2o", slack=0), 30, 3, 32).slack == 0
-    assert paged_plan(Settings(recipe="h2o", budget=64), 30, 3, 32).rules == (BudgetRule(tokens=64),)
+    assert paged_plan(Settings(recipe="h2o", budget=64), 30, 3, 32).rules == (Budget(tokens=64),)
     # the entry's budget over a recipe with no budget of its own keeps the recipe's slack (none here)
     bare = {"kvpolicy": 1, "policy": "streaming", "params": {"sinks": 4}}
-    assert paged_plan(Settings(recipe=bare, budget=64), 30, 3, 32).rules == (BudgetRule(tokens=64),)
+    assert paged_plan(Settings(recipe=bare, budget=64), 30, 3, 32).rules == (Budget(tokens=64),)
     sparse = {"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2, "slack": 40}}
     assert paged_plan(Settings(recipe=sparse, budget=0.1), 30, 3, 32).slack == 40
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..policies.base import AttentionStats
-from ..rotary import rotate
 from .regions import KVRegion
+from .rotary import rotate
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 import torch
 
 from ..errors import KVPolicyError, did_you_mean
-from ..plan import BACKEND_NAMES
+from ..recipe.schema import BACKEND_NAMES
 
 ENV_VAR = "KVPOLICY_BACKEND"
 

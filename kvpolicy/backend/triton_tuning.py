@@ -52,11 +52,3 @@ def tuned(kernel, space: list[dict], block_names: dict[str, str], warps: str, st
     """``kernel`` under ``triton.autotune`` over ``space`` (``block_names``: space key -> kernel constexpr)."""
     configs = _triton_configs(space, block_names, warps, stages)
     return triton.autotune(configs=configs, key=key, reset_to_zero=reset_to_zero)(kernel)
-
-
-def distinct_blocks(space: list[dict], block_keys: tuple[str, ...]) -> list[dict]:
-    """One entry per distinct block-size combination (under the interpreter warps and stages change nothing)."""
-    seen: dict[tuple, dict] = {}
-    for entry in space:
-        seen.setdefault(tuple(entry[k] for k in block_keys), entry)
-    return list(seen.values())

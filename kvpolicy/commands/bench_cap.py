@@ -32,8 +32,8 @@ import torch
 
 from ..errors import KVPolicyError
 from ..recipe import load_recipe, with_budget
+from ..recipe.budget import parse_budget
 from .bench_meter import PeakMeter, cache_bytes
-from .common import parse_budget
 
 PLAIN = "plain"
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,

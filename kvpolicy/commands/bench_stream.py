@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 
-from ..plan import Budget
 from ..recipe import load_recipe, with_budget
+from ..recipe.budget import Budget, parse_budget
 from .bench_meter import resident_bytes
-from .common import parse_budget
 
 
 @torch.inference_mode()

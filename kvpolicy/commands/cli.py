@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..errors import KVPolicyError
 from ..recipe import builtin_recipe_names, load_recipe, with_budget
+from ..recipe.budget import parse_budget
 from ..registry import get_registry
 from .bench import add_bench_arguments, run_bench
 from .common import (
@@ -19,7 +20,6 @@ from .common import (
     add_device_arguments,
     bound_numbers,
     count,
-    parse_budget,
     quiet_torch,
     read_text,
     torch_dtype,

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import KVPolicyError
-from ..plan import MAX_TOKENS, Budget
+from ..recipe.schema import MAX_TOKENS
 
 # where each optional package comes from: its pip name and the extra that installs it
 OPTIONAL = {
@@ -48,20 +48,6 @@ def pyplot() -> ModuleType:
     """``matplotlib.pyplot`` on the Agg backend (files only, no display); see `require` for a missing matplotlib."""
     require("matplotlib").use("Agg")
     return require("matplotlib.pyplot")
-
-
-def parse_budget(text: str) -> Budget:
-    """'0.2' -> 20% of the prompt; '512' -> 512 tokens."""
-    fix = f"give a ratio in (0, 1] (e.g. 0.2) or a whole number of tokens from 1 to {MAX_TOKENS} (e.g. 512)"
-    try:
-        value = float(text)
-    except ValueError:
-        raise KVPolicyError(f"budget {text!r} is not a number: {fix}") from None
-    if 0 < value <= 1 and not text.strip().isdigit():
-        return Budget(ratio=value)
-    if 1 <= value <= MAX_TOKENS and value == int(value):  # false for inf and nan
-        return Budget(tokens=int(value))
-    raise KVPolicyError(f"budget {text!r}: {fix}")
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import KVPolicyError, did_you_mean
-from ..plan import Budget
 from ..recipe import load_recipe, with_budget
+from ..recipe.budget import Budget, parse_budget
 from ..registry import describe_failure, get_registry
 from .common import (
     THREADS,
     add_device_arguments,
     count,
-    parse_budget,
     quiet_torch,
     read_text,
     require,

@@ -7,7 +7,7 @@ A page under ``docs/`` marks each generated block with a pair of HTML comments::
     <!-- /generated -->
 
 ``python -m kvpolicy.commands.docgen`` rewrites the inside of every block from the code (the recipe
-schema in `kvpolicy.recipe_schema`, each built-in policy's class and ``Params`` dataclass, the
+schema in `kvpolicy.recipe.schema`, each built-in policy's class and ``Params`` dataclass, the
 statistics in `kvpolicy.policies.base`, the hook specifications); ``--check`` only lists the
 pages that differ and exits 1. The test suite runs the check, so the docs cannot drift.
 
@@ -33,8 +33,8 @@ from typing import Any
 
 from .. import hookspecs
 from ..policies.base import STAT_NAMES, AttentionStats, Policy
-from ..recipe_budgets import Schedule
-from ..recipe_schema import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TIER, TOP_LEVEL, Key
+from ..recipe.budget import Schedule
+from ..recipe.schema import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TIER, TOP_LEVEL, Key
 from ..registry import Registry
 
 BLOCK = re.compile(r"(?P<open><!-- generated: (?P<name>[\w:.-]+) -->\n)(?P<body>.*?)(?P<close><!-- /generated -->)", re.S)

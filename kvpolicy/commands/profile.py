@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from ..cache.memory_report import human_bytes
 from ..errors import KVPolicyError
-from ..memory_report import human_bytes
 from ..policies.fastgen import FastGenParams, parse_pattern, pattern_name
 from ..recipe import load_recipe
 from .output_files import write_atomically

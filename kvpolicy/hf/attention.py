@@ -58,9 +58,9 @@ def kvpolicy_attention(
         raise KVPolicyError("attention logit soft-capping (softcap) is not supported by kvpolicy's attention yet")
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer = active_layer(getattr(module, "layer_idx", -1))
-    if layer is not None and layer.static:  # a compiled decode step: no mask, no pads, nothing read back
-        result = torch_ref.attend(query, layer.static_call(scaling))
-        layer.static_end_call(result.stats)
+    if layer is not None and layer.static_step.active:  # a compiled decode step: no mask, no pads, nothing read back
+        result = torch_ref.attend(query, layer.static_step.call(scaling))
+        layer.static_step.end_call(result.stats)
         layer.abandon_call()  # the call is done: stop announcing the layer
         return result.output, None
     if layer is None:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..cache.layer import PolicyLayer, TokenFeed
+from ..cache.memory_report import MemoryReport
 from ..errors import KVPolicyError
-from ..layer import PolicyLayer, TokenFeed
-from ..memory_report import MemoryReport
 
 _active = threading.local()
 
@@ -50,8 +50,8 @@ class CacheLayer(PolicyLayer, CacheLayerMixin):
     attention: Callable[[], str | None] | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.static:  # a compiled decode step (`static_decode`): checked by the engine before the step
-            keys_values = self.static_append(key_states, value_states)
+        if self.static_step.active:  # a compiled decode step (`static_step`): checked by the engine before the step
+            keys_values = self.static_step.append(key_states, value_states)
             _active.layer = self
             return keys_values
         current = self.attention() if self.attention is not None else None

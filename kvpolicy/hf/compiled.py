@@ -2,7 +2,7 @@
 
 `CompiledDecoder` runs the prompt eagerly, then every decode step through one compiled
 function of the model, once each layer of the cache can take the static decode step
-(`kvpolicy.static_decode`: every cell at one common budget, packed, no slack); until then
+(`kvpolicy.cache.static_step`: every cell at one common budget, packed, no slack); until then
 (a prompt shorter than the budget) steps run eagerly. Each compiled step passes explicit
 positions (each row's real tokens seen, kept on the device) and a placeholder 4-D mask, so
 transformers asks the cache nothing that changes from step to step, and nothing is read
@@ -13,6 +13,7 @@ checks of the policies' scores are read every `NAN_CHECK_EVERY` steps.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ STOP_CHECK_EVERY = 8
 def static_blockers(cache: PolicyCache) -> list[str]:
     """Why layers of ``cache`` cannot take the static decode step now ("layer i: reason"), empty when all can."""
     return [f"layer {layer.layer_idx}: {reason}" for layer in cache.layers
-            if (reason := layer.static_blocker()) is not None]
+            if (reason := layer.static_step.blocker()) is not None]
 
 
 def _model_step(model: Any, keyword: str, cache: PolicyCache, tokens: torch.Tensor, positions: torch.Tensor,
@@ -47,6 +48,7 @@ class CompiledDecoder:
         self.options = {"fullgraph": True, "dynamic": False, **options}
         self.compiled = torch.compile(_model_step, **self.options)
         self.compiled_steps = 0  # steps that ran compiled, over the decoder's life (for tests and reports)
+        self._primed: weakref.WeakSet[PolicyCache] = weakref.WeakSet()  # caches whose static tensors are pinned
 
     def step(self, cache: PolicyCache, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step: ``tokens`` [B, 1] in, next-token logits [B, V] out (compiled when the cache allows)."""
@@ -55,22 +57,22 @@ class CompiledDecoder:
         if static_blockers(cache):
             output = self.model(input_ids=tokens, position_ids=positions, use_cache=True, **{self.keyword: cache})
             return output.logits[:, -1]
-        if not getattr(cache, "_static_primed", False):
+        if cache not in self._primed:
             for layer in layers:
-                layer._nan_check.prime([group.policy.name for group in layer.groups], tokens.device)
-                for tensor in layer.static_tensors():  # written in place at every step: CUDA graphs may keep them
+                layer.static_step.prime(tokens.device)
+                for tensor in layer.static_step.tensors():  # written in place at every step: CUDA graphs may keep them
                     torch._dynamo.mark_static_address(tensor)
-            cache._static_primed = True
+            self._primed.add(cache)
         mask = torch.ones(tokens.shape[0], 1, 1, 1, dtype=torch.bool, device=tokens.device)  # never read
         for layer in layers:
-            layer.static = True
+            layer.static_step.active = True
         try:
             logits = self.compiled(self.model, self.keyword, cache, tokens, positions, mask)
         finally:
             for layer in layers:
-                layer.static = False
+                layer.static_step.active = False
         for layer in layers:
-            layer.after_static_steps(1)
+            layer.static_step.after_steps(1)
         self.compiled_steps += 1
         if self.compiled_steps % NAN_CHECK_EVERY == 0:
             check_nan(cache)
@@ -120,7 +122,7 @@ class CompiledDecoder:
 def check_nan(cache: PolicyCache) -> None:
     """Raise if a policy's scores held NaN in a compiled step (reads the device's flags)."""
     for layer in cache.layers:
-        layer._nan_check.raise_noted()
+        layer.static_step.raise_noted()
 
 
 def generate_arguments(args: tuple, kwargs: dict[str, Any], model: Any) -> dict[str, Any]:

@@ -15,14 +15,15 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from ..backend.rotary import find_inv_freq
 from ..backend.select import select_backend
+from ..cache.policy_group import LayerPolicies, make_policies
 from ..errors import KVPolicyError
-from ..plan import MAX_TOKENS, Plan
 from ..policies.base import Policy
-from ..policy_calls import call_policy, group_cells
 from ..recipe import Recipe, load_recipe
+from ..recipe.plan import Plan
+from ..recipe.schema import MAX_TOKENS
 from ..registry import Registry, get_registry
-from ..rotary import find_inv_freq
 from .attention import ATTENTION_NAME, no_cache_warning_off, register
 from .cache import CacheLayer, PolicyCache, cache_keyword
 from .compiled import CompiledDecoder, generate_arguments
@@ -48,14 +49,8 @@ class Session:
     _policies: dict[tuple[str, str], Policy] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for layer in (layer for plan in [self.plan, *self.row_plans] for layer in plan.layers):
-            for head in layer.heads:
-                key = head.policy_key
-                if key not in self._policies:
-                    cls = self.registry.get(head.policy)
-                    policy = call_policy(cls, "__init__", cls, head.params)
-                    call_policy(policy, "prepare", policy.prepare, model=self.model, tokenizer=self.tokenizer)
-                    self._policies[key] = policy
+        self._policies = make_policies([self.plan, *self.row_plans], self.registry, self.model, self.tokenizer,
+                                       known=self._policies)
 
     def _check_attached(self, what: str) -> None:
         if self.model.__dict__.get(_EPOCH, 0) != self._epoch:
@@ -84,9 +79,9 @@ class Session:
         layers = []
         for index in range(len(self.plan.layers)):
             rows = [plan.layers[index] for plan in plans]
-            groups = group_cells([[head.policy_key for head in row.heads] for row in rows], self._policies)
-            inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in groups) else None
-            layers.append(CacheLayer(index, rows, groups, prompt_tokens, self.plan.backend, inv_freq))
+            policies = LayerPolicies.of_rows(rows, self._policies)
+            inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in policies.groups) else None
+            layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
         if self.last_cache.token_feed is not None:
@@ -132,7 +127,7 @@ class Session:
         ``backend="aot_eager"`` to check a graph without inductor). Returns the session.
 
         `generate` then prefills eagerly and decodes greedily, each step compiled once every layer keeps one common
-        budget in every cell with no slack (`kvpolicy.static_decode`; steps before the cache is full run eagerly).
+        budget in every cell with no slack (`kvpolicy.cache.static_step`; steps before the cache is full run eagerly).
         A layer that never gets there (a `full` layer, per-head budgets, AdaKV, FastGen, slack) keeps every step
         eager: `kvpolicy.hf.compiled.static_blockers(cache)` says why. ``session.compiled.step(cache, tokens)`` is the
         step alone, for a decoding loop of one's own.

@@ -28,25 +28,10 @@ from tqdm import tqdm
 from ..errors import KVPolicyError
 from ..hf.models import load_model
 from ..hf.session import attach, cache_keyword
-from ..plan import MAX_TOKENS, Budget
 from ..recipe import Recipe, load_recipe, with_budget
+from ..recipe.budget import parse_budget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_budget(value: Any) -> Budget:
-    """``0.2`` (or "0.2") -> 20% of the prompt; ``512`` -> 512 tokens; anything else is a KVPolicyError."""
-    text = str(value).strip()
-    try:
-        number = float(text)
-    except ValueError:
-        number = float("nan")
-    if 0 < number <= 1 and not text.isdigit():
-        return Budget(ratio=number)
-    if 1 <= number <= MAX_TOKENS and number == int(number):
-        return Budget(tokens=int(number))
-    raise KVPolicyError(f"budget={text!r}: give a ratio in (0, 1] (e.g. budget=0.2) or a whole number of tokens "
-                        f"from 1 to {MAX_TOKENS} (e.g. budget=512)")
 
 
 def checked_arguments(recipe: Any = "full", budget: Any = None, dtype: Any = "float32") -> Recipe:

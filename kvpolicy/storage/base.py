@@ -1,6 +1,6 @@
 """The storage interface of a cache layer, and the rules every format shares.
 
-A store holds one layer's K/V and its `SlotTable`. The layer (`kvpolicy.layer`) decides what
+A store holds one layer's K/V and its `SlotTable`. The layer (`kvpolicy.cache.layer`) decides what
 to keep; the store decides where the bytes go. "Slot" is the metadata's index: slot ``s`` of
 cell ``(b, h)`` (a batch row and KV head) is ``slots.valid[b, h, s]``; where that token's K/V
 physically sit is the store's business.
@@ -30,7 +30,7 @@ def headroom(slots: int | torch.Tensor, budgets_grow: bool = False) -> int | tor
 
 
 class Sizing(Protocol):
-    """What a store asks of the layer's budgets when it sizes storage (`kvpolicy.budgets.CellBudgets`)."""
+    """What a store asks of the layer's budgets when it sizes storage (`kvpolicy.cache.budgets.CellBudgets`)."""
 
     slack: int
     uniform_limit: int | None
@@ -100,6 +100,14 @@ class KVStore(ABC):
     def cell_rows(self) -> torch.Tensor | None:
         """K/V rows allocated per cell [B, Hkv], or None when every cell has an equal share."""
         return None
+
+    def live_kv_bytes(self) -> int:
+        """K/V bytes of the tokens kept (a format whose tokens cost different amounts counts each at its own)."""
+        return int(self.slots.valid.sum()) * self.bytes_per_token()
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes each precision tier's storage holds, by tier name; empty for a format without tiers."""
+        return {}
 
     def bookkeeping(self) -> list[torch.Tensor]:
         """Tensors the format keeps besides K/V and the slot table (counted as metadata)."""

@@ -25,7 +25,7 @@ import torch
 
 from ..backend.regions import KVRegion
 from ..errors import KVPolicyError
-from ..plan import Tier
+from ..recipe.budget import Tier
 from .base import KVStore, headroom, storage_bytes
 from .quant_tier import QuantTier
 from .slots import SlotTable
@@ -297,7 +297,7 @@ def make_tier(bits: int, group: int, keys_per: str, batch: int, heads: int, head
 
 
 class TierSizing:
-    """What a tiered store asks of the layer's budgets (`kvpolicy.budgets.CellBudgets`)."""
+    """What a tiered store asks of the layer's budgets (`kvpolicy.cache.budgets.CellBudgets`)."""
 
     slack: int
     tier_sizes: torch.Tensor | None  # [T, B, Hkv] tokens per tier, once resolved

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import KVPolicyError
 from ..hf.session import attach, attach_rows, cache_keyword
-from ..plan import Budget
+from ..recipe.budget import Budget
 
 
 @dataclass(frozen=True)

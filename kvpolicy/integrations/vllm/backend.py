@@ -26,6 +26,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
+from ...cache.policy_group import LayerPolicies
 from ...errors import KVPolicyError
 from .engine import engine_from_config, process_engine
 from .paged import PagedLayerCache, PagedPolicies, RowBlocks
@@ -228,9 +229,9 @@ class KVPolicyImpl(CPUAttentionBackendImpl):
         name = layer.layer_name
         if name not in self.layers:
             paged_layer = self.engine.layer(name)
-            self.layers[name] = paged_layer, PagedPolicies(paged_layer.groups)
+            self.layers[name] = paged_layer, PagedPolicies(paged_layer.policies)
         paged_layer, policies = self.layers[name]
-        cache = self._cache(name, kv_cache, paged_layer.groups)
+        cache = self._cache(name, kv_cache, paged_layer.policies)
         todo = step.rules[paged_layer.rule]
         if todo.evict is not None:
             rows, budget, seen, arena = todo.evict
@@ -243,11 +244,11 @@ class KVPolicyImpl(CPUAttentionBackendImpl):
             output[query_index[real]] = result[real].to(output.dtype)
         return output
 
-    def _cache(self, name: str, kv_cache: torch.Tensor, groups) -> PagedLayerCache:
+    def _cache(self, name: str, kv_cache: torch.Tensor, policies: LayerPolicies) -> PagedLayerCache:
         cache = self.caches.get(name)
         if cache is None or cache.keys.data_ptr() != kv_cache.data_ptr():
             dim = self.head_size
-            cache = self.caches[name] = PagedLayerCache.over(kv_cache[..., :dim], kv_cache[..., dim:], groups)
+            cache = self.caches[name] = PagedLayerCache.over(kv_cache[..., :dim], kv_cache[..., dim:], policies)
             logger.debug("kvpolicy: layer %s keeps %d metadata bytes per block beside its K/V", name,
                          cache.metadata_bytes_per_block())
         return cache

@@ -181,9 +181,9 @@ def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    from ...cache.policy_group import LayerPolicies, PolicyGroup
     from ...policies.h2o import H2O
     from ...policies.streaming import Streaming
-    from ...policy_calls import PolicyGroup
     from .paged import PagedLayerCache, PagedPolicies, RowBlocks
 
     torch.manual_seed(0)
@@ -221,10 +221,10 @@ def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
     rows = RowBlocks.of([(table[r].tolist(), list(range(per_request)), 0, 0, context + 1) for r in range(requests)], bs)
     timings = {"native": native_call}
     for label, policy in (("kvpolicy, no statistics", Streaming()), ("kvpolicy, H2O statistics", H2O())):
-        group = PolicyGroup(policy, torch.ones(1, kv_heads, dtype=torch.bool), "0.")
-        cache = PagedLayerCache.over(mine[..., :dim], mine[..., dim:], [group])
+        policies = LayerPolicies([PolicyGroup(policy, torch.ones(1, kv_heads, dtype=torch.bool), "0.")])
+        cache = PagedLayerCache.over(mine[..., :dim], mine[..., dim:], policies)
         cache.positions[1:] = 0  # every slot holds a token
-        paged = PagedPolicies([group])
+        paged = PagedPolicies(policies)
         timings[label] = lambda paged=paged, cache=cache: paged.attend(cache, rows, query, index, positions, 0.125)
     result = {"context": context, "requests": requests}
     for label, call in timings.items():

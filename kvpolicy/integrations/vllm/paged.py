@@ -17,8 +17,8 @@ import torch
 
 from ...backend.call import AttentionCall
 from ...backend.dispatch import attend
+from ...cache.policy_group import LayerPolicies, PolicyGroup
 from ...policies.base import AttentionStats, TokenView
-from ...policy_calls import NaNCheck, PolicyGroup, combined_scores, observe_all
 from ...storage.base import top_kept
 
 
@@ -32,11 +32,10 @@ class PagedLayerCache:
     state: dict[str, torch.Tensor]  # name -> [blocks, Hkv, bs]
 
     @classmethod
-    def over(cls, keys: torch.Tensor, values: torch.Tensor, groups: list[PolicyGroup]) -> PagedLayerCache:
+    def over(cls, keys: torch.Tensor, values: torch.Tensor, policies: LayerPolicies) -> PagedLayerCache:
         blocks, heads, block_size, _ = keys.shape
         shape = (blocks, heads, block_size)
-        state = {f"{g.prefix}{name}": torch.zeros(shape, dtype=dtype, device=keys.device)
-                 for g in groups for name, dtype in g.policy.state.items()}
+        state = {name: torch.zeros(shape, dtype=dtype, device=keys.device) for name, dtype in policies.token_state().items()}
         return cls(keys, values, torch.full(shape, -1, dtype=torch.int32, device=keys.device), state)
 
     @property
@@ -223,11 +222,9 @@ class PagedPolicies:
     gathers the blocks and runs kvpolicy's attention over the copy with that backend.
     """
 
-    def __init__(self, groups: list[PolicyGroup], backend: str = "torch"):
-        self.groups, self.backend = groups, backend
-        self.needs = frozenset().union(*(g.policy.needs for g in groups))
-        self.last_rows_window = max([g.policy.last_rows_window for g in groups if "last_rows" in g.policy.needs] or [0])
-        self.nan_check = NaNCheck()
+    def __init__(self, policies: LayerPolicies, backend: str = "torch"):
+        self.policies, self.backend = policies, backend
+        self.needs, self.last_rows_window = policies.needs, policies.last_rows_window
 
     @staticmethod
     def _gather_state(cache: PagedLayerCache, rows: RowBlocks) -> dict[str, torch.Tensor]:
@@ -237,7 +234,7 @@ class PagedPolicies:
         return {name: state[f"{group.prefix}{name}"] for name in group.policy.state}
 
     def scores(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
-        return combined_scores(self.groups, lambda group: self._state_of(group, state), view, self.nan_check.note)
+        return self.policies.scores(lambda group: self._state_of(group, state), view)
 
     def evict(self, cache: PagedLayerCache, rows: RowBlocks, budget: torch.Tensor, seen: torch.Tensor,
               arena: torch.Tensor) -> None:
@@ -307,7 +304,7 @@ class PagedPolicies:
 
     def _observe(self, cache: PagedLayerCache, rows: RowBlocks, stats: AttentionStats) -> None:
         state = self._gather_state(cache, rows)
-        observe_all(self.groups, lambda group: self._state_of(group, state), stats)
+        self.policies.observe(lambda group: self._state_of(group, state), stats)
         for name, tensor in cache.state.items():
             rows.scatter(tensor, state[name])
 

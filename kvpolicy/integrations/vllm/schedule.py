@@ -7,7 +7,7 @@ the arena and of the later blocks, keeps each head's ``budget`` best in the aren
 empty (the one the next token goes to is only partly dead). The scheduler frees the empty blocks; the worker,
 which is never told which blocks were freed, works out the same layout from the same rule.
 
-The rule is kvpolicy's own (`budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
+The rule is kvpolicy's own (`kvpolicy.cache.budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
 is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
 ``evict_during_prefill``, as soon as the request arrives (vLLM knows its prompt's length), so that a long prompt
 evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the
@@ -19,41 +19,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from ...plan import Budget
-
-
-@dataclass(frozen=True)
-class BudgetRule:
-    """One layer budget: ``tokens``, or ``ratio`` of the prompt (kvpolicy's rounding: `plan.Budget.resolve`)."""
-
-    tokens: int | None = None
-    ratio: float | None = None
-
-    def resolve(self, prompt_tokens: int | None) -> int | None:
-        """The budget in tokens; None while a ratio budget waits for the prompt's length."""
-        if self.tokens is not None:
-            return self.tokens
-        if prompt_tokens is None:
-            return None
-        return int(Budget(ratio=self.ratio).resolve(torch.tensor([prompt_tokens]))[0])
-
-    def describe(self) -> str:
-        return Budget(tokens=self.tokens, ratio=self.ratio).describe()
+from ...recipe.budget import Budget
 
 
 def arena_blocks(budget: int, block_size: int) -> int:
     return -(-budget // block_size)
 
 
-def peak_blocks(rules: tuple[BudgetRule, ...], slack: int, block_size: int, tokens: int, step_tokens: int) -> int:
+def peak_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, tokens: int, step_tokens: int) -> int:
     """The most blocks a request of ``tokens`` (its prompt, at admission) ever holds when it evicts during prefill,
     at most ``step_tokens`` a step: each rule's arena, plus what came in since that rule's last eviction (at most
     its slack and one chunk) and the chunk about to come, plus the blocks those straddle. The scheduler admits a
     request when this many blocks are free, not its whole prompt's."""
     since_eviction = slack + 1 + 2 * step_tokens
-    most = max(arena_blocks(rule.resolve(tokens), block_size) for rule in rules)
+    most = max(arena_blocks(rule.limit_for(tokens), block_size) for rule in rules)
     return min(most + -(-since_eviction // block_size) + 2, -(-tokens // block_size))
 
 
@@ -66,9 +45,10 @@ class RuleState:
 
 @dataclass
 class RequestSchedule:
-    """One request's evictions under every distinct layer budget of a recipe (``rules``)."""
+    """One request's evictions under every distinct layer budget of a recipe (``rules``: a `Budget` each, its
+    amount only)."""
 
-    rules: tuple[BudgetRule, ...]
+    rules: tuple[Budget, ...]
     slack: int
     block_size: int
     evict_during_prefill: bool = False  # take the prompt's length from the first step, not once the prompt is in
@@ -97,7 +77,7 @@ class RequestSchedule:
         decision = []
         for rule, state in zip(self.rules, self.states, strict=True):
             if state.budget is None:
-                state.budget = rule.resolve(self.prompt_tokens)
+                state.budget = rule.limit_for(self.prompt_tokens)
             count = state.held + added
             evict = (state.budget is not None and count > state.budget + self.slack
                      and start >= arena_blocks(state.budget, self.block_size) * self.block_size)
@@ -130,7 +110,3 @@ class RequestSchedule:
         lo = max(self.arena(index) for index in range(len(self.rules)))
         hi = min(state.evicted_at for state in self.states) // self.block_size
         return lo, hi
-
-    def held_tokens(self) -> list[int]:
-        """Tokens each rule's layers hold after the last step start's decision."""
-        return [state.held for state in self.states]

@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ...cache.policy_group import LayerPolicies, make_policies
 from ...errors import KVPolicyError
-from ...plan import MAX_TOKENS, Budget, Plan
 from ...policies.base import Policy
-from ...policy_calls import PolicyGroup, call_policy, group_cells
 from ...recipe import load_recipe, with_budget
+from ...recipe.budget import Budget, parse_budget
+from ...recipe.plan import Plan
+from ...recipe.schema import MAX_TOKENS
+from ...recipe.selectors import spans_text
 from ...registry import Registry, get_registry
-from .schedule import BudgetRule
 
 CONFIG_KEY = "kvpolicy"
 SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill")
@@ -27,7 +29,7 @@ class Settings:
     """The user's entry: a recipe (built-in name, YAML path or mapping), optionally its budget and slack replaced."""
 
     recipe: str | dict
-    budget: float | int | None = None  # a share of the prompt (0, 1], or tokens (an integer >= 1)
+    budget: Budget | None = None  # replaces the recipe's (`parse_budget`: a share of the prompt, or tokens)
     #: tokens a request may hold over its budget before one eviction; None: the recipe's, raised to a block's worth
     slack: int | None = None
     #: a ratio budget resolves from the prompt's length when the request arrives, so a long prompt evicts between the
@@ -52,9 +54,8 @@ def read_settings(additional_config: Any) -> Settings | None:
         raise KVPolicyError(f"{PREFIX}['recipe'] must name a built-in recipe, a YAML file or hold a recipe mapping, "
                             f"got {recipe!r}")
     budget = raw.get("budget")
-    if budget is not None and not _is_budget(budget):
-        raise KVPolicyError(f"{PREFIX}['budget'] must be a share of the prompt in (0, 1] (e.g. 0.2) or a whole "
-                            f"number of tokens from 1 to {MAX_TOKENS:,}, got {budget!r}")
+    if budget is not None:
+        budget = parse_budget(budget, f"{PREFIX}['budget']")
     slack = raw.get("slack")
     if slack is not None and not (type(slack) is int and 0 <= slack <= MAX_TOKENS):
         raise KVPolicyError(f"{PREFIX}['slack'] must be a whole number of tokens >= 0, got {slack!r}")
@@ -64,17 +65,11 @@ def read_settings(additional_config: Any) -> Settings | None:
     return Settings(recipe=recipe, budget=budget, slack=slack, evict_during_prefill=during_prefill)
 
 
-def _is_budget(value: Any) -> bool:
-    if type(value) is int:
-        return 1 <= value <= MAX_TOKENS
-    return type(value) is float and 0.0 < value <= 1.0
-
-
 @dataclass
 class PagedLayer:
     """One decoder layer as a paged engine runs it: its policies over the KV heads and its budget rule."""
 
-    groups: list[PolicyGroup]
+    policies: LayerPolicies
     rule: int  # index into PagedPlan.rules
 
 
@@ -84,7 +79,7 @@ class PagedPlan:
 
     plan: Plan
     layers: list[PagedLayer]
-    rules: tuple[BudgetRule, ...]  # the distinct layer budgets
+    rules: tuple[Budget, ...]  # the distinct layer budgets, their amounts alone
     slack: int
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
     step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
@@ -106,19 +101,13 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     registry = registry or get_registry()
     recipe = load_recipe(settings.recipe, registry)
     if settings.budget is not None:
-        budget = Budget(tokens=settings.budget) if type(settings.budget) is int else Budget(ratio=settings.budget)
-        recipe = with_budget(recipe, budget)  # keeps the recipe's slack and tiers
+        recipe = with_budget(recipe, settings.budget)  # keeps the recipe's slack and tiers
     plan = recipe.resolve(num_layers, num_kv_heads)
     where = f"recipe {plan.name!r} ({plan.source})"
-    policies: dict[tuple[str, str], Policy] = {}
-    for layer in plan.layers:
-        for head in layer.heads:
-            if head.policy_key not in policies:
-                cls = registry.get(head.policy)
-                policies[head.policy_key] = call_policy(cls, "__init__", cls, head.params)
+    # no model or tokenizer here: the policies that would need them are refused before they prepare
+    policies = make_policies([plan], registry, check=lambda policy, layer: _check_policy(policy, where, layer))
     for index, layer in enumerate(plan.layers):
         for head in layer.heads:
-            _check_policy(policies[head.policy_key], where, index)
             if head.budget.tiered:
                 raise KVPolicyError(
                     f"{where}: budget.{'memory' if head.budget.memory is not None else 'tiers'} (layer {index}): "
@@ -130,10 +119,10 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     if not all(bounded):
         free = [index for index, flag in enumerate(bounded) if not flag]
         raise KVPolicyError(
-            f"{where}: layer(s) {_spans(free)} keep every token while the others evict; in vLLM a KV block holds "
+            f"{where}: layer(s) {spans_text(free)} keep every token while the others evict; in vLLM a KV block holds "
             "every layer, so no block could be freed. Give every layer a budget (budget: or layers: rules), "
             "or serve without kvpolicy")
-    rules: list[BudgetRule] = []
+    rules: list[Budget] = []
     layers: list[PagedLayer] = []
     for index, layer in enumerate(plan.layers):
         budgets = {(h.budget.tokens, h.budget.ratio) for h in layer.heads}
@@ -142,12 +131,10 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
                 f"{where}: the KV heads of layer {index} have different budgets ({_budget_list(layer.heads)}); a vLLM "
                 "KV block holds every head of a layer, so a paged engine keeps one budget per layer. Use one budget "
                 "per layer (no `heads:` rules with their own budget)")
-        tokens, ratio = budgets.pop()
-        rule = BudgetRule(tokens=tokens, ratio=ratio)
+        rule = layer.heads[0].budget.amount_only()
         if rule not in rules:
             rules.append(rule)
-        groups = group_cells([[h.policy_key for h in layer.heads]], policies)
-        layers.append(PagedLayer(groups=groups, rule=rules.index(rule)))
+        layers.append(PagedLayer(policies=LayerPolicies.of_rows([layer], policies), rule=rules.index(rule)))
     recipe_slack = max(h.budget.slack for layer in plan.layers for h in layer.heads)
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
     slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
@@ -179,12 +166,3 @@ def _check_policy(policy: Policy, where: str, layer: int) -> None:
 
 def _budget_list(heads: list) -> str:
     return ", ".join(sorted({h.budget.describe() for h in heads}))
-
-
-def _spans(indices: list[int]) -> str:
-    spans, start = [], indices[0]
-    for previous, current in zip(indices, indices[1:] + [None], strict=True):
-        if current != previous + 1 if current is not None else True:
-            spans.append(str(start) if start == previous else f"{start}-{previous}")
-            start = current
-    return ", ".join(spans)

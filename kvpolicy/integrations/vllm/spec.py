@@ -13,7 +13,8 @@ from dataclasses import dataclass, fields
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-from .schedule import BudgetRule, RequestSchedule, peak_blocks
+from ...recipe.budget import Budget
+from .schedule import RequestSchedule, peak_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,7 +27,7 @@ class KVPolicySpec(FullAttentionSpec):
     kvpolicy_step_tokens: int | None = None
 
     @classmethod
-    def from_spec(cls, spec: FullAttentionSpec, rules: tuple[BudgetRule, ...], slack: int,
+    def from_spec(cls, spec: FullAttentionSpec, rules: tuple[Budget, ...], slack: int,
                   evict_during_prefill: bool = False, step_tokens: int | None = None) -> KVPolicySpec:
         given = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**given, kvpolicy_rules=tuple((r.tokens, r.ratio) for r in rules), kvpolicy_slack=slack,
@@ -40,10 +41,10 @@ class KVPolicySpec(FullAttentionSpec):
             raise ValueError(f"kvpolicy: the layers of one KV cache group disagree on their budgets: {policies}")
         base = FullAttentionSpec.merge(specs)
         rules, slack, during_prefill, step_tokens = policies.pop()
-        return cls.from_spec(base, tuple(BudgetRule(*rule) for rule in rules), slack, during_prefill, step_tokens)
+        return cls.from_spec(base, tuple(Budget(*rule) for rule in rules), slack, during_prefill, step_tokens)
 
-    def rules(self) -> tuple[BudgetRule, ...]:
-        return tuple(BudgetRule(*rule) for rule in self.kvpolicy_rules)
+    def rules(self) -> tuple[Budget, ...]:
+        return tuple(Budget(*rule) for rule in self.kvpolicy_rules)
 
 
 class KVPolicyManager(FullAttentionManager):

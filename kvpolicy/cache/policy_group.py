@@ -1,7 +1,12 @@
-"""Calling policies from a cache layer: what each one is shown, and checks on what it returns.
+"""A layer's policies, as both engines run them: grouped by cell, shown their statistics, called safely.
 
-A policy may be a third-party plugin: its outputs are checked here (shape, NaN) so that a
-bug in one gives an error naming it rather than silently evicting the wrong tokens.
+`make_policies` makes one policy instance per distinct (policy, params) of a plan and prepares it;
+`LayerPolicies` is one layer's share of them (a `PolicyGroup` per policy, each owning some cells),
+what they read, and the two calls a cache makes of them: observe a call's statistics, score the
+tokens. The transformers layer (`layer.PolicyLayer`) and vLLM's paged layer
+(`kvpolicy.integrations.vllm.paged`) both go through it. A policy may be a third-party plugin:
+its outputs are checked here (shape, NaN) so that a bug in one gives an error naming it rather
+than silently evicting the wrong tokens.
 """
 
 from __future__ import annotations
@@ -10,14 +15,19 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from .errors import KVPolicyError, first_line
-from .policies.base import AttentionStats, Policy, TokenView
+from ..errors import KVPolicyError, first_line
+from ..policies.base import AttentionStats, Policy, TokenView
+
+if TYPE_CHECKING:
+    from ..recipe.plan import LayerPlan, Plan
+    from ..registry import Registry
 
 T = TypeVar("T")
+StateOf = Callable[["PolicyGroup"], dict[str, torch.Tensor]]
 
 
 @dataclass
@@ -39,6 +49,62 @@ def group_cells(cell_keys: list[list[tuple[str, str]]], policies: dict[tuple[str
     return [PolicyGroup(policies[key], mask, f"{index}.") for index, (key, mask) in enumerate(masks.items())]
 
 
+def make_policies(plans: list[Plan], registry: Registry, model: Any = None, tokenizer: Any = None,
+                  known: dict[tuple[str, str], Policy] | None = None,
+                  check: Callable[[Policy, int], None] | None = None) -> dict[tuple[str, str], Policy]:
+    """One prepared instance per distinct `HeadPlan.policy_key` of ``plans`` (heads with equal keys share it), besides
+    the ``known`` ones, which are kept. ``check(policy, layer)``: an engine's refusal, before the policy prepares."""
+    policies: dict[tuple[str, str], Policy] = dict(known or {})
+    for plan in plans:
+        for index, layer in enumerate(plan.layers):
+            for head in layer.heads:
+                if head.policy_key not in policies:
+                    cls = registry.get(head.policy)
+                    policy = call_policy(cls, "__init__", cls, head.params)
+                    if check is not None:
+                        check(policy, index)
+                    call_policy(policy, "prepare", policy.prepare, model=model, tokenizer=tokenizer)
+                    policies[head.policy_key] = policy
+    return policies
+
+
+class LayerPolicies:
+    """One layer's policies: a `PolicyGroup` per distinct policy among its cells, and what they read."""
+
+    def __init__(self, groups: list[PolicyGroup]):
+        self.groups = groups
+        policies = [g.policy for g in groups]
+        self.needs = frozenset().union(*(p.needs for p in policies))
+        # statistics only the first attention call reads (a policy's `profile` of the prompt, e.g. FastGen)
+        self.profile_needs = frozenset().union(*(p.profile_needs for p in policies)) - self.needs
+        self.last_rows_window = max([p.last_rows_window for p in policies if "last_rows" in p.needs] or [0])
+        self.nan_check = NaNCheck()
+
+    @classmethod
+    def of_rows(cls, rows: list[LayerPlan], policies: dict[tuple[str, str], Policy]) -> LayerPolicies:
+        """The policies of one layer whose batch rows follow ``rows`` (one `LayerPlan` for every row, or one each)."""
+        return cls(group_cells([[head.policy_key for head in row.heads] for row in rows], policies))
+
+    @property
+    def names(self) -> list[str]:
+        return [g.policy.name for g in self.groups]
+
+    def token_state(self) -> dict[str, torch.dtype]:
+        """The per-token state tensors a cache keeps for these policies: name (the group's prefix + the policy's
+        name for it) -> dtype."""
+        return {f"{g.prefix}{name}": dtype for g in self.groups for name, dtype in g.policy.state.items()}
+
+    def observe(self, state_of: StateOf, stats: AttentionStats | None) -> None:
+        """Each policy that reads statistics observes ``stats`` (cut to what it asked for)."""
+        observe_all(self.groups, state_of, stats)
+
+    def scores(self, state_of: StateOf, view: TokenView, defer_nan_check: bool = False) -> torch.Tensor:
+        """Every group's scores for its cells, empty slots at -inf. ``defer_nan_check``: a NaN is only noted on the
+        device (a compiled step reads nothing back; `NaNCheck.raise_noted` reads it later)."""
+        note = self.nan_check.accumulate if defer_nan_check else self.nan_check.note
+        return combined_scores(self.groups, state_of, view, note)
+
+
 def stats_for(policy: Policy, stats: AttentionStats) -> AttentionStats:
     """``stats`` as ``policy`` asked for them: ``last_rows`` holds the layer's widest window, so cut it to the policy's."""
     rows = stats.last_rows
@@ -55,7 +121,7 @@ def checked(policy: Policy, what: str, value: object, shape: tuple[int, ...], di
     return value
 
 
-def combined_scores(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup], dict[str, torch.Tensor]],
+def combined_scores(groups: list[PolicyGroup], state_of: StateOf,
                     view: TokenView, note: Callable[[Policy, torch.Tensor], None]) -> torch.Tensor:
     """Each group's keep-priorities on its own cells, checked (shape; ``note``: NaN) and merged into one
     [rows, Hkv, slots] tensor, empty slots at -inf: what a cache ranks its tokens by."""
@@ -71,8 +137,7 @@ def combined_scores(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup],
     return torch.where(view.valid, scores, -torch.inf)
 
 
-def observe_all(groups: list[PolicyGroup], state_of: Callable[[PolicyGroup], dict[str, torch.Tensor]],
-                stats: AttentionStats | None) -> None:
+def observe_all(groups: list[PolicyGroup], state_of: StateOf, stats: AttentionStats | None) -> None:
     """Each group whose policy reads statistics observes ``stats`` (cut to what it asked for)."""
     if stats is None:
         return

@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .recipe_checks import quote, recipe_error
-from .recipe_schema import SELECTOR
+from .checks import quote, recipe_error
+from .schema import SELECTOR
 
 
 @dataclass(frozen=True)

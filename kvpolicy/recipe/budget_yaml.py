@@ -1,72 +1,16 @@
-"""Recipe budgets: the budget mapping read into a `Budget`, and schedules that spread it over layers."""
+"""A recipe's ``budget:`` mapping read into a `Budget`: its amount, slack, precision tiers and layer schedule.
+
+Every error names the file, line and key path, the problem and the fix (`checks.recipe_error`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any
 
-from .errors import did_you_mean
-from .plan import KEY_AXES, MAX_TOKENS, TIER_BITS, Budget, Tier
-from .recipe_checks import check_keys, line_of, number_hint, quote, recipe_error, type_ok
-from .recipe_schema import BUDGET_KEYS, DEFAULTS, SCHEDULES, TIER_KEYS
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How a budget is spread over the layers that use it; the mean over those layers is the budget.
-
-    ``pyramid`` (PyramidKV, Cai et al. 2024): falls linearly with depth, from 2b - b/beta at
-    the lowest layer to b/beta at the top. ``funnel``: the mirror, rising with depth (as
-    Scissorhands suggests: later layers need more). ``per_layer``: one multiplier per layer,
-    averaging to 1. Token budgets are rounded so that their sum is exact; ratio budgets are
-    scaled (each layer then rounds its own count up, so the mean may exceed b by < 1 token).
-    """
-
-    kind: str = DEFAULTS["budget", "schedule"]
-    beta: float = DEFAULTS["budget", "beta"]
-    per_layer: tuple[float, ...] | None = None
-    path: str = "budget"
-    line: int | None = None
-
-    def multipliers(self, count: int, file: str) -> list[float]:
-        if self.per_layer is not None:
-            if len(self.per_layer) != count:
-                raise recipe_error(file, self.line, f"{self.path}.per_layer",
-                                   f"{len(self.per_layer)} multipliers for {count} layers that use this budget",
-                                   "Give one multiplier per such layer, in depth order")
-            return list(self.per_layer)
-        if self.kind == "uniform" or count == 1:
-            return [1.0] * count
-        top, bottom = 1.0 / self.beta, 2.0 - 1.0 / self.beta
-        falling = [bottom - (bottom - top) * index / (count - 1) for index in range(count)]
-        return falling if self.kind == "pyramid" else falling[::-1]
-
-    def describe(self) -> str:
-        if self.per_layer is not None:
-            return "per_layer multipliers"
-        return self.kind if self.kind == "uniform" else f"{self.kind} (beta={self.beta:g})"
-
-
-def scale_budget(budget: Budget, multipliers: list[float]) -> list[Budget]:
-    """``budget`` times each multiplier; token counts by largest remainder (ties: the lower layer), summing exactly."""
-    if budget.memory is not None:
-        return [dataclasses.replace(budget, memory=budget.memory * m) for m in multipliers]
-    if budget.tokens is None:
-        return [dataclasses.replace(budget, ratio=budget.ratio * m) for m in multipliers]
-    exact = [budget.tokens * m for m in multipliers]
-    tokens = [int(x) for x in exact]
-    for index in sorted(range(len(exact)), key=lambda i: round(tokens[i] - exact[i], 9))[: round(sum(exact)) - sum(tokens)]:
-        tokens[index] += 1
-    for index in range(len(tokens)):
-        while tokens[index] < 1:  # keep at least one token: take it from the largest layer
-            tokens[index] += 1
-            tokens[max(range(len(tokens)), key=tokens.__getitem__)] -= 1
-    return [dataclasses.replace(budget, tokens=t) for t in tokens]
-
-
-def budget_amount(budget: Budget) -> float:
-    return next(a for a in (budget.tokens, budget.ratio, budget.memory, 0.0) if a is not None)
+from ..errors import did_you_mean
+from .budget import Budget, Schedule, Tier
+from .checks import check_keys, line_of, number_hint, quote, recipe_error, type_ok
+from .schema import BUDGET_KEYS, DEFAULTS, KEY_AXES, MAX_TOKENS, SCHEDULES, TIER_BITS, TIER_KEYS
 
 
 def read_schedule(raw: Any, path: str, file: str) -> Schedule | None:
@@ -150,12 +94,13 @@ def read_tiers(raw: Any, path: str, file: str, line: int | None, amount: str | N
     return tuple(tiers)
 
 
-def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False) -> tuple[Budget, bool, Schedule | None]:
-    """(Budget, whether slack was given, schedule).
+def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = False) -> Budget:
+    """The `Budget` that a ``budget:`` mapping at ``path`` gives, its schedule included.
 
-    A rule's budget may give only a schedule: its Budget then has neither ratio nor tokens,
-    and the rule's layers share the top-level amount. A budget may give only ``tiers``: tokens
-    kept at chosen precisions, none evicted by the budget (for policies that never evict).
+    A rule's budget without an amount (only a schedule and/or tiers) takes the top-level amount,
+    and one without ``slack`` the top-level slack (`Budget.inherits`, applied by `Budget.over`).
+    A budget may give only ``tiers``: tokens kept at chosen precisions, none evicted by the
+    budget (for policies that never evict).
     """
     check_keys(raw, BUDGET_KEYS, f"{path}.", file, line)
     schedule = read_schedule(raw, path, file)
@@ -166,10 +111,10 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
                            f"must be an integer from 0 to {MAX_TOKENS:,}, got {quote(slack)}", number_hint(slack))
     tiers = () if "tiers" not in raw else read_tiers(raw["tiers"], f"{path}.tiers", file, line_of(raw, "tiers"),
                                                       given[0] if len(given) == 1 else None)
-    if rule and not given and schedule is not None:
-        return Budget(slack=slack, tiers=tiers), "slack" in raw, schedule
-    if not given and tiers and schedule is None:
-        return Budget(slack=slack, tiers=tiers), "slack" in raw, None
+    inherits = frozenset({"slack"} if rule and "slack" not in raw else ())
+    if (rule and not given and schedule is not None) or (not given and tiers and schedule is None):
+        inherits |= {"amount"} if rule else set()
+        return Budget(slack=slack, tiers=tiers, schedule=schedule, inherits=inherits, source=path)
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens/memory" + (f", not {' and '.join(given)}" if given else "")
         raise recipe_error(file, line_of(raw), path, problem,
@@ -185,6 +130,6 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
         raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens",
                            f"must be an integer from 1 to {MAX_TOKENS:,}, got {quote(tokens)}",
                            number_hint(tokens) or "A budget in tokens counts the tokens each KV head keeps")
-    budget = Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack,
-                    memory=None if memory is None else float(memory), tiers=tiers)
-    return budget, "slack" in raw, schedule
+    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack,
+                  memory=None if memory is None else float(memory), tiers=tiers, schedule=schedule, inherits=inherits,
+                  source=path)

@@ -18,14 +18,42 @@ summary per label: heads, tokens, live and allocated bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypedDict
 
 import torch
+
+from ..storage.base import KVStore
+
+
+class LayerMemory(TypedDict):
+    """One layer's figures (`layer_memory`): K/V bytes live and allocated, metadata, tokens per cell, per label."""
+
+    live_kv_bytes: int
+    tier_bytes: dict[str, int]  # per precision tier (tiered layers; empty otherwise)
+    allocated_kv_bytes: int
+    metadata_bytes: int
+    tokens_min: int
+    tokens_max: int
+    ragged: int
+    workspace_kv_bytes: int
+    by_label: dict[str, dict[str, int]]
+
+
+class MeasuredLayer(Protocol):
+    """What the report reads of a cache layer (`kvpolicy.cache.layer.PolicyLayer`)."""
+
+    store: KVStore | None
+    cell_state: dict[str, torch.Tensor]
+
+    @property
+    def ragged(self) -> bool: ...
+
+    def cell_labels(self) -> list[list[str]]: ...
 
 
 @dataclass
 class MemoryReport:
-    layers: list[dict[str, Any]]
+    layers: list[LayerMemory]
 
     @property
     def live_kv_bytes(self) -> int:
@@ -110,20 +138,19 @@ def human_bytes(size: int) -> str:
     return str(size)
 
 
-def layer_memory(layer: Any) -> dict[str, Any]:
-    """One `PolicyLayer`'s figures: the bytes its tensors really hold, and per cell label."""
+def layer_memory(layer: MeasuredLayer) -> LayerMemory:
+    """One cache layer's figures: the bytes its tensors really hold, and per cell label."""
     store = layer.store
     if store is None:
-        return {"live_kv_bytes": 0, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0,
+        return {"live_kv_bytes": 0, "tier_bytes": {}, "allocated_kv_bytes": 0, "metadata_bytes": 0, "tokens_min": 0,
                 "tokens_max": 0, "ragged": 0, "workspace_kv_bytes": 0, "by_label": {}}
     tokens = store.slots.valid.sum(dim=2)
     per_token = store.bytes_per_token()
     metadata = [*store.slots.tensors(), *layer.cell_state.values(), *store.bookkeeping()]
     allocated = store.kv_bytes()
-    tiers = store.tier_bytes() if hasattr(store, "tier_bytes") else {}
     return {
-        "live_kv_bytes": store.live_kv_bytes() if tiers else int(tokens.sum()) * per_token,
-        "tier_bytes": tiers,
+        "live_kv_bytes": store.live_kv_bytes(),
+        "tier_bytes": store.tier_bytes(),
         "allocated_kv_bytes": allocated,
         "metadata_bytes": sum(t.untyped_storage().nbytes() for t in metadata),
         "tokens_min": int(tokens.min()),

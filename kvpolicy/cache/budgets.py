@@ -1,43 +1,42 @@
-"""`CellBudgets`: how many tokens each cell (batch row, KV head) of one layer may keep, and how storage is sized.
+"""`CellBudgets`: how many tokens each cell (batch row, KV head) of one layer may keep.
 
-Budgets come from the recipe (`plan.Budget`: tokens, or a ratio of the prompt resolved at the
-first forward pass), except for two kinds of policy: ``allocates`` policies (AdaKV) split a
-row's budget among their heads once, at the row's first eviction; ``dynamic_budget`` policies
-(FastGen) set their cells' budgets at every eviction.
+Budgets come from the plan (`kvpolicy.recipe.budget.Budget`: tokens, a ratio of the prompt or a
+share of its bytes), turned into a ``[batch, kv_heads]`` limits tensor at one moment, the layer's
+first attention call, once the prompt's real length is known (`set_limits`). Two kinds of policy
+change them later: ``allocates`` policies (AdaKV) split a row's budget among their heads once, at
+the row's first eviction; ``dynamic_budget`` policies (FastGen) set their cells' budgets at every
+eviction. A store sizes its storage from them (the `storage.base.Sizing` protocol); a tiered
+layer's limits are its tiers' sizes (`storage.tier_sizing`), priced by its store (`price_tiers`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import torch
 
-from .errors import KVPolicyError
-from .plan import Budget, LayerPlan, Tier
-from .policies.base import TokenView
-from .policy_calls import PolicyGroup, call_policy, checked
-from .storage.base import headroom
-from .storage.tier_formats import TierCosts
-
-StateOf = Callable[[PolicyGroup], dict[str, torch.Tensor]]
+from ..errors import KVPolicyError
+from ..policies.base import TokenView
+from ..recipe.plan import LayerPlan
+from ..storage.base import headroom
+from ..storage.tier_formats import TierCosts
+from ..storage.tier_sizing import layer_tiers, tier_sizes, waiting_room
+from .policy_group import PolicyGroup, StateOf, call_policy, checked
 
 
 class CellBudgets:
-    def __init__(self, row_plans: list[LayerPlan], groups: list[PolicyGroup], prompt_tokens: int | None):
-        self.row_plans = row_plans
+    def __init__(self, rows: list[LayerPlan], groups: list[PolicyGroup], prompt_tokens: int | None):
+        self.rows = rows
         self.prompt_tokens = prompt_tokens
         self.allocating = [g for g in groups if g.policy.allocates]
         self.dynamic = [g for g in groups if g.policy.dynamic_budget]
         self.dynamic_cells = torch.stack([g.cells for g in self.dynamic]).any(dim=0) if self.dynamic else None
-        self.limited_cells = torch.tensor([[h.budget.is_limited for h in row.heads] for row in row_plans])
+        self.limited_cells = torch.tensor([[h.budget.is_limited for h in row.heads] for row in rows])
         if self.dynamic_cells is not None:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
-        self.recipe_slack = max((h.budget.slack for row in row_plans for h in row.heads), default=0)
+        self.recipe_slack = max((h.budget.slack for row in rows for h in row.heads), default=0)
         self.slack = self.recipe_slack
-        self.tiers = layer_tiers(row_plans)
-        self.tier_costs: TierCosts | None = None  # set by the layer once its tiered store knows its shapes
+        self.tiers = layer_tiers([h.budget for row in rows for h in row.heads])
+        self.tier_costs: TierCosts | None = None  # `price_tiers`: set once a tiered store knows its shapes
         self.reset()
 
     def reset(self) -> None:
@@ -63,22 +62,26 @@ class CellBudgets:
     def budgets_grow(self) -> bool:
         return self.dynamic_cells is not None
 
-    def resolve(self, tokens_seen: torch.Tensor, first_call_tokens: int) -> None:
+    def price_tiers(self, costs: TierCosts) -> None:
+        """What a token and a cell cost in each precision tier (from the tiered store): memory budgets buy tokens."""
+        self.tier_costs = costs
+
+    def set_limits(self, tokens_seen: torch.Tensor, first_call_tokens: int) -> None:
         """Limits per cell from each row's first forward pass (``tokens_seen`` real tokens), or ``prompt_tokens``."""
         batch, device = tokens_seen.shape[0], tokens_seen.device
         if self.prompt_tokens is not None:
             prompt = torch.full((batch,), self.prompt_tokens, dtype=torch.long, device=device)
         else:
             prompt = tokens_seen
-            if first_call_tokens == 1 and any(h.budget.ratio is not None for row in self.row_plans for h in row.heads):
+            if first_call_tokens == 1 and any(h.budget.ratio is not None for row in self.rows for h in row.heads):
                 raise KVPolicyError(
                     "a ratio budget is resolved from the prompt, but the first forward pass had one token; "
                     "pass the prompt length: session.new_cache(prompt_tokens=N), or use a budget in tokens"
                 )
-        if len(self.row_plans) not in (1, batch):
-            raise KVPolicyError(f"the cache was made for {len(self.row_plans)} batch rows but the batch has {batch}")
+        if len(self.rows) not in (1, batch):
+            raise KVPolicyError(f"the cache was made for {len(self.rows)} batch rows but the batch has {batch}")
         limits = [
-            [h.budget.resolve(prompt[b : b + 1])[0] for h in self.row_plans[b if len(self.row_plans) > 1 else 0].heads]
+            [h.budget.limits_for(prompt[b : b + 1])[0] for h in self.rows[b if len(self.rows) > 1 else 0].heads]
             for b in range(batch)
         ]
         self.limits = torch.tensor(limits, dtype=torch.long, device=device)
@@ -94,7 +97,7 @@ class CellBudgets:
         """Tokens per precision tier of every cell, from its budget (tokens, or bytes under a memory budget)."""
         if self.tier_costs is None:
             raise KVPolicyError("a tiered layer's budgets were resolved before its store gave the tiers' costs")
-        rows = self.row_plans
+        rows = self.rows
         cells = [(h.budget, int(prompt[b])) for b in range(prompt.shape[0]) for h in rows[b if len(rows) > 1 else 0].heads]
         self.slack = waiting_room(cells, self.tier_costs, self.recipe_slack)
         sizes = torch.tensor([tier_sizes(budget, tokens, self.tier_costs, self.slack) for budget, tokens in cells],
@@ -164,72 +167,3 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             grown = torch.where(self.dynamic_cells.to(needed.device), needed + headroom(needed, True), grown)
         return grown
-
-
-#: Tokens a tier may hold when nothing bounds it (a tiered cache that evicts nothing).
-UNBOUNDED_TOKENS = torch.iinfo(torch.int64).max // 4
-
-
-def layer_tiers(row_plans: list[LayerPlan]) -> tuple[Tier, ...]:
-    """The precision tiers of a layer: the same bits and groups in every cell (sizes may differ), or none."""
-    kinds = {tuple((t.bits, t.group, t.keys) for t in h.budget.precision_tiers) for row in row_plans for h in row.heads}
-    if len(kinds) > 1:
-        raise KVPolicyError(
-            f"the KV heads of one layer keep different precision tiers ({' vs '.join(sorted(map(str, kinds)))}); a layer "
-            "stores its tiers once for all its heads: give per-head rules the same tiers (bits, group, keys), sizes may differ"
-        )
-    tiers = next(h.budget.precision_tiers for row in row_plans for h in row.heads)
-    return tiers
-
-
-#: On a tiered layer whose 16-bit tier is a share of the budget, the tokens waiting there between evictions (the
-#: slack) are at most this part of what the tier would hold with none waiting: a slack sized for long prompts
-#: (h2o-mixed's 16 at 4K tokens) must not crowd the 16-bit tier out on a short one (300 tokens at 20%: ~29 tokens).
-MAX_WAITING_SHARE = 8
-
-
-def waiting_room(cells: list[tuple[Budget, int]], costs: TierCosts, slack: int) -> int:
-    """The slack a tiered layer runs with: the recipe's, at most 1/`MAX_WAITING_SHARE` of the smallest 16-bit tier
-    among its cells (``(budget, prompt tokens)``) whose 16-bit tier pays for its waiting tokens."""
-    paying = [(b, p) for b, p in cells if b.is_limited and b.precision_tiers[0].tokens is None]
-    if not slack or not paying:
-        return slack
-    room = min(tier_sizes(b, p, costs, 0)[0] + 1 for b, p in paying)  # the tier with nothing but the next token waiting
-    return min(slack, room // MAX_WAITING_SHARE)
-
-
-def tier_sizes(budget: Budget, prompt: int, costs: TierCosts, slack: int) -> list[int]:
-    """Tokens each tier of one cell keeps under ``budget`` for a ``prompt``-token prompt.
-
-    Token budgets: a tier's ``share`` of the tokens, or its ``tokens``; the last tier the rest.
-    Memory budgets: the cell's bytes are ``memory`` x prompt x a 16-bit token's K/V; a tier's
-    share of them buys tokens at that tier's cost, and the 16-bit tier also pays for the tokens
-    that wait in it between evictions (``slack`` and the next one), so that the bytes held after
-    every pass stay within the budget.
-    """
-    tiers = budget.precision_tiers
-    if not budget.is_limited:
-        return [t.tokens if t.tokens is not None else UNBOUNDED_TOKENS for t in tiers]
-    if budget.memory is None:
-        total = int(budget.resolve(torch.tensor([prompt]))[0])
-        sizes = [t.tokens if t.tokens is not None else int(t.share * total) if t.share is not None else 0 for t in tiers]
-        sizes[-1] = max(total - sum(sizes[:-1]), 0)
-        return sizes
-    money = math.floor(budget.memory * prompt * costs.reference_token) - costs.cell
-    waiting = slack + 1  # tokens that wait in the 16-bit tier between evictions
-    sizes = [t.tokens if t.tokens is not None else int(t.share * money) // c if t.share is not None else 0
-             for t, c in zip(tiers, costs.token, strict=True)]
-    if tiers[0].tokens is None:
-        sizes[0] -= waiting  # a share (or the whole budget) of 16-bit bytes pays for the waiting tokens too
-    upper = sum(n * c for n, c in zip(sizes[:-1], costs.token, strict=False)) + waiting * costs.token[0]
-    if len(tiers) == 1:
-        sizes[0] = money // costs.token[0] - waiting
-    else:
-        sizes[-1] = (money - upper) // costs.token[-1]
-    if sizes[0] < 1 or min(sizes) < 0:
-        raise KVPolicyError(
-            f"budget {budget.describe()}: for a {prompt}-token prompt each KV head gets {max(money, 0):,} bytes, too few "
-            f"for the tiers ({', '.join(f'{t.bits}-bit: {c} bytes a token' for t, c in zip(tiers, costs.token, strict=True))}"
-            f", {costs.cell} bytes a head, {waiting} tokens waiting at 16 bits): raise memory, or lower the tiers' shares"
-        )
-    return sizes

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import KVPolicyError
+from ..errors import KVPolicyError
 
 
 def find_inv_freq(model: torch.nn.Module, head_dim: int) -> torch.Tensor:

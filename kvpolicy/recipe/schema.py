@@ -1,6 +1,6 @@
 """The recipe schema, declared once: every key with its kind, default and meaning.
 
-The validator (`kvpolicy.recipe`, `kvpolicy.recipe_budgets`) reads the names and defaults from here, and
+The validator (`kvpolicy.recipe`, `kvpolicy.recipe.budget`) reads the names and defaults from here, and
 `kvpolicy.commands.docgen` all of it, for the recipe reference.
 """
 
@@ -9,9 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import BACKEND_NAMES
-
 SCHEMA_VERSION = 1
+
+#: The attention backends a recipe may name (``backend:``): ``auto`` picks Triton on CUDA, torch elsewhere.
+BACKEND_NAMES = ("auto", "torch", "triton")
+#: The largest token count kvpolicy takes anywhere a user gives one (budgets, lengths, counts): beyond it the
+#: int64 arithmetic on positions and slots could overflow, and no cache holds that many tokens.
+MAX_TOKENS = 2**31 - 1
+
+
+#: Bit widths a precision tier may store: 16-bit floats, or integer codes of 8, 4 or 2 bits.
+TIER_BITS = (16, 8, 4, 2)
+#: How a quantized tier scales its keys (`kvpolicy.storage.key_codecs`): per channel over blocks of 32 slots (KIVI),
+#: per channel with one range per cell, or per token (like values).
+KEY_AXES = ("channel", "cell", "token")
 REQUIRED = "(required)"  # the default of a key that has none
 
 

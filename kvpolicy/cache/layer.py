@@ -1,7 +1,7 @@
 """`PolicyLayer`: one layer of a policy cache, whatever engine runs the model.
 
-It owns the layer's policies (one `PolicyGroup` per distinct policy and params), their
-budgets (`CellBudgets`) and a storage format (`storage.KVStore`: dense, switching to ragged
+It owns the layer's policies (`LayerPolicies`: one `PolicyGroup` per distinct policy and params),
+their budgets (`CellBudgets`) and a storage format (`storage.KVStore`: dense, switching to ragged
 when its cells' budgets differ enough). An engine integration drives it per forward pass:
 
     keys, values = layer.append(k, v)          # this pass's keys (after RoPE) and values
@@ -10,29 +10,29 @@ when its cells' budgets differ enough). An engine integration drives it per forw
     layer.end_call(result.stats)               # policies observe, then eviction
 
 Keys are stored after RoPE at their original positions; StreamingLLM's in-cache positions
-re-rotate keys and queries at each call instead of storing pre-RoPE copies.
+re-rotate keys and queries at each call instead of storing pre-RoPE copies. A compiled engine
+takes the fixed-shape decode step instead (`static_step`, ``layer.static_step``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .backend.call import AttentionCall
+from ..backend.call import AttentionCall
+from ..backend.rotary import in_cache_deltas, rotate
+from ..errors import KVPolicyError
+from ..policies.base import AttentionStats, TokenView
+from ..recipe.plan import LayerPlan
+from ..storage.base import KVStore, storage_bytes
+from ..storage.dense import DenseStore
+from ..storage.ragged import RaggedStore, ragged_pays
+from ..storage.tiered import TieredStore
 from .budgets import CellBudgets
-from .errors import KVPolicyError
-from .memory_report import layer_memory
-from .plan import LayerPlan
-from .policies.base import AttentionStats, TokenView
-from .policy_calls import NaNCheck, PolicyGroup, call_policy, combined_scores, observe_all
-from .rotary import in_cache_deltas, rotate
-from .static_decode import StaticDecode
-from .storage.base import KVStore, storage_bytes
-from .storage.dense import DenseStore
-from .storage.ragged import RaggedStore, ragged_pays
-from .storage.tiered import TieredStore
+from .memory_report import LayerMemory, layer_memory
+from .policy_group import LayerPolicies, PolicyGroup, call_policy
+from .static_step import StaticStep
 
 
 @dataclass
@@ -42,21 +42,19 @@ class TokenFeed:
     ids: torch.Tensor | None = None
 
 
-class PolicyLayer(StaticDecode):
-    def __init__(self, layer_idx: int, row_plans: list[LayerPlan], groups: list[PolicyGroup],
+class PolicyLayer:
+    def __init__(self, layer_idx: int, rows: list[LayerPlan], policies: LayerPolicies,
                  prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None):
-        """``row_plans``: one LayerPlan shared by every batch row, or one per batch row."""
-        self.layer_idx, self.row_plans, self.groups, self.backend = layer_idx, row_plans, groups, backend
+        """``rows``: the layer's plan for every batch row (one `LayerPlan` shared by all rows, or one per row);
+        ``policies``: the layer's policies over those cells (`LayerPolicies.of_rows`)."""
+        self.layer_idx, self.policies, self.backend = layer_idx, policies, backend
+        self.groups = groups = policies.groups
         policies = [g.policy for g in groups]
-        self.needs = frozenset().union(*(p.needs for p in policies))
-        # statistics only the first attention call reads (a policy's `profile` of the prompt, e.g. FastGen)
-        self.profile_needs = frozenset().union(*(p.profile_needs for p in policies)) - self.needs
         self.profiling = [g for g in groups if g.policy.profile_needs]
-        self.near_ratio = torch.zeros(len(row_plans), len(row_plans[0].heads), dtype=torch.float64)  # per cell
+        self.near_ratio = torch.zeros(len(rows), len(rows[0].heads), dtype=torch.float64)  # per cell
         for g in groups:
             if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
                 self.near_ratio[g.cells] = g.policy.near_ratio
-        self.last_rows_window = max([p.last_rows_window for p in policies if "last_rows" in p.needs] or [0])
         self.drops_early = any(p.drops_early for p in policies)
         # per-slot token ids, kept only when a policy reads them (FastGen's special/punctuation tokens)
         self.token_id_policies = [p.name for p in policies if p.needs_token_ids]
@@ -67,7 +65,7 @@ class PolicyLayer(StaticDecode):
         if self.in_cache_cells is not None and inv_freq is None:
             raise KVPolicyError("in-cache positions need the model's RoPE inverse frequencies (inv_freq)")
         self.inv_freq = inv_freq
-        self.budgets = CellBudgets(row_plans, groups, prompt_tokens)
+        self.budgets = CellBudgets(rows, groups, prompt_tokens)
         self.kernel_reads_tiers = False  # set when a tiered store is made (`_initialize`)
         if self.budgets.tiers:
             refused = [(p.name, why) for p in policies for flag, why in (
@@ -77,7 +75,7 @@ class PolicyLayer(StaticDecode):
                 raise KVPolicyError(f"layer {layer_idx}: policy {refused[0][0]!r} {refused[0][1]}, which precision tiers "
                                     "do not support yet: drop the budget's tiers/memory for it, or use h2o, tova, snapkv")
         self.evictions = 0
-        self._nan_check = NaNCheck()
+        self.static_step = StaticStep(self)
         self.reset()
 
     def reset(self) -> None:
@@ -128,7 +126,7 @@ class PolicyLayer(StaticDecode):
 
     def _initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         batch, heads, device = keys.shape[0], keys.shape[1], keys.device
-        token_state = {f"{g.prefix}{name}": dtype for g in self.groups for name, dtype in g.policy.state.items()}
+        token_state = self.policies.token_state()
         if self.token_id_policies:
             token_state["token_ids"] = torch.int32
         self.cell_state = {
@@ -138,7 +136,7 @@ class PolicyLayer(StaticDecode):
         tiers = self.budgets.tiers
         if tiers:
             self.store = TieredStore(keys, values, token_state, self.budgets, self.layer_idx, tiers)
-            self.budgets.tier_costs = self.store.costs(self.cell_state)
+            self.budgets.price_tiers(self.store.costs(self.cell_state))
             # the Triton kernels read the codes in place; the torch path decodes the layer (workspace)
             self.kernel_reads_tiers = self.backend == "triton"
         else:
@@ -177,8 +175,8 @@ class PolicyLayer(StaticDecode):
         self.positions[:, :, start : start + count] = query_positions[:, None, :]
         self.pass_has_pads = query_valid is not None
         self.tokens_seen = self.tokens_seen + (count if query_valid is None else query_valid.sum(dim=1))
-        if self.budgets.limits is None:
-            self.budgets.resolve(self.tokens_seen, count)
+        if self.budgets.limits is None:  # the first pass: the prompt's length is known now, pads aside
+            self.budgets.set_limits(self.tokens_seen, count)
         keys, values = self._attention_kv()
         used = keys.shape[2]
         valid, key_positions = self.valid[:, :, :used], self.positions[:, :, :used]
@@ -188,7 +186,7 @@ class PolicyLayer(StaticDecode):
             cells = self.in_cache_cells.to(device)[:, :, None]
             keys = rotate(keys, torch.where(cells, key_delta, 0), self.inv_freq)
             query_rotation = (torch.where(cells, query_delta, 0), self.inv_freq)
-        needs = self.needs if self.profiled else self.needs | self.profile_needs
+        needs = self.policies.needs if self.profiled else self.policies.needs | self.policies.profile_needs
         near_band = None
         if "near_colsum_heads" in needs:
             ratio = self.near_ratio.to(device)
@@ -196,7 +194,7 @@ class PolicyLayer(StaticDecode):
         return AttentionCall(
             keys=keys, values=values, valid=valid, key_positions=key_positions, query_positions=query_positions,
             query_valid=query_valid, past_slots=start, scaling=scaling, needs=needs,
-            last_rows_window=self.last_rows_window, sliding_window=sliding_window, backend=self.backend,
+            last_rows_window=self.policies.last_rows_window, sliding_window=sliding_window, backend=self.backend,
             causal_only=query_valid is None and sliding_window is None and self.store.past_packed,
             near_band=near_band, query_rotation=query_rotation,
             regions=self.store.kernel_regions() if self.kernel_reads_tiers else None,
@@ -217,7 +215,7 @@ class PolicyLayer(StaticDecode):
 
     def observe(self, stats: AttentionStats | None) -> None:
         """Each policy that reads statistics observes this call's."""
-        observe_all(self.groups, self.group_state, stats)
+        self.policies.observe(self.group_state, stats)
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
         """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""
@@ -234,11 +232,9 @@ class PolicyLayer(StaticDecode):
         )
 
     # --- eviction ---------------------------------------------------------------------------------------
-    def _scores(self, defer_nan_check: bool = False) -> torch.Tensor:
-        """Every group's scores for its cells, invalid slots at -inf. ``defer_nan_check``: a NaN is only noted on the
-        device (the static decode step, which reads nothing back; `NaNCheck.raise_noted` reads it later)."""
-        note = self._nan_check.accumulate if defer_nan_check else self._nan_check.note
-        return combined_scores(self.groups, self.group_state, self.token_view(), note)
+    def _scores(self) -> torch.Tensor:
+        """Every group's scores for its cells, invalid slots at -inf."""
+        return self.policies.scores(self.group_state, self.token_view())
 
     def _evict(self) -> None:
         budgets, store = self.budgets, self.store
@@ -295,7 +291,7 @@ class PolicyLayer(StaticDecode):
                         labels[b][h] = given[b][h] if given is not None else group.policy.name
         return labels
 
-    def memory(self) -> dict[str, Any]:
+    def memory(self) -> LayerMemory:
         """Live and allocated K/V bytes, metadata bytes, token counts, per cell label (`memory_report.layer_memory`)."""
         return layer_memory(self)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from .errors import RecipeError, did_you_mean
+from ..errors import RecipeError, did_you_mean
 
 
 class _Map(dict):
