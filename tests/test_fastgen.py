@@ -242,7 +242,7 @@ def test_generate_and_plain_forward_calls_record_the_token_ids():
 
 def test_policies_that_read_no_token_ids_pay_nothing_for_them():
     model = tiny_model("llama")
-    for plan in (uniform_plan(model, "h2o", __import__("kvpolicy").plan.Budget(tokens=4)),
+    for plan in (uniform_plan(model, "h2o", __import__("kvpolicy").Budget(tokens=4)),
                  uniform_plan(model, "fastgen", pattern="frequency+local")):
         session = attach(model, plan)
         cache = session.new_cache()

@@ -126,7 +126,7 @@ def cmd_policies(args: argparse.Namespace) -> None:
 def cmd_recipes(args: argparse.Namespace) -> None:
     for name in builtin_recipe_names():
         recipe = load_recipe(name)
-        budget = "per head" if recipe._default[0].dynamic_budget else recipe.budget.describe()  # FastGen: its own
+        budget = "per head" if recipe.policy.dynamic_budget else recipe.budget.describe()  # FastGen: its own
         print(f"{name:<12} budget={budget:<16} {recipe.description}")
 
 

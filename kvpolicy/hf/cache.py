@@ -1,4 +1,4 @@
-"""`PolicyCache`: a transformers `Cache` whose layers are `PolicyLayer`s (`kvpolicy/layer.py`).
+"""`PolicyCache`: a transformers `Cache` whose layers are `PolicyLayer`s (`kvpolicy/cache/layer.py`).
 
 Transformers hands each layer's new K/V to ``cache.update`` and then calls the attention
 function, which gets no handle to the cache: each layer's `update` announces itself here,

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-#: The statistics the shared attention backend can return (DESIGN.md, "Attention statistics").
+#: The statistics the shared attention backend can return (docs/architecture.md, "Attention statistics").
 STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "near_colsum_heads"})
 
 
@@ -52,7 +52,9 @@ class TokenView:
     ``positions`` is each slot's index among the real tokens of its batch row (pads
     excluded, so the first real token is 0); empty slots hold -1 and ``valid`` False.
     ``seen`` is the number of real tokens each row has seen so far; ``budget`` is the
-    number of tokens each (row, KV head) may keep.
+    number of tokens each (row, KV head) may keep at full precision: its limit, or on a
+    layer with precision tiers the 16-bit tier's size, so that what a policy pins there
+    (sinks, a recent window) stays at 16 bits.
     """
 
     positions: torch.Tensor  # [B, Hkv, T] int64

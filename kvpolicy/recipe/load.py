@@ -40,6 +40,11 @@ class Recipe:
     _default: Cell = field(default=None, repr=False)  # the recipe's policy and params, before any rule
     _rules: tuple[Rule, ...] = field(default=(), repr=False)
 
+    @property
+    def policy(self) -> type:
+        """The recipe's top-level policy class (what its rules start from)."""
+        return self._default.policy
+
     def resolve(self, num_layers: int, num_kv_heads: int) -> Plan:
         """The `Plan` for a model of ``num_layers`` decoder layers and ``num_kv_heads`` KV heads."""
         return resolve_plan(self, num_layers, num_kv_heads)

@@ -22,6 +22,7 @@ from ...registry import Registry, get_registry
 CONFIG_KEY = "kvpolicy"
 SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill")
 PREFIX = f"vLLM additional_config[{CONFIG_KEY!r}]"
+BUDGET_KEY = f"{PREFIX}['budget']"
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Settings:
     """The user's entry: a recipe (built-in name, YAML path or mapping), optionally its budget and slack replaced."""
 
     recipe: str | dict
-    budget: Budget | None = None  # replaces the recipe's (`parse_budget`: a share of the prompt, or tokens)
+    budget: float | int | None = None  # replaces the recipe's: a share of the prompt (0, 1], or tokens (`parse_budget`)
     #: tokens a request may hold over its budget before one eviction; None: the recipe's, raised to a block's worth
     slack: int | None = None
     #: a ratio budget resolves from the prompt's length when the request arrives, so a long prompt evicts between the
@@ -55,7 +56,7 @@ def read_settings(additional_config: Any) -> Settings | None:
                             f"got {recipe!r}")
     budget = raw.get("budget")
     if budget is not None:
-        budget = parse_budget(budget, f"{PREFIX}['budget']")
+        parse_budget(budget, BUDGET_KEY)  # refused here, in one line, rather than when the engine starts
     slack = raw.get("slack")
     if slack is not None and not (type(slack) is int and 0 <= slack <= MAX_TOKENS):
         raise KVPolicyError(f"{PREFIX}['slack'] must be a whole number of tokens >= 0, got {slack!r}")
@@ -101,7 +102,7 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     registry = registry or get_registry()
     recipe = load_recipe(settings.recipe, registry)
     if settings.budget is not None:
-        recipe = with_budget(recipe, settings.budget)  # keeps the recipe's slack and tiers
+        recipe = with_budget(recipe, parse_budget(settings.budget, BUDGET_KEY))  # keeps the recipe's slack and tiers
     plan = recipe.resolve(num_layers, num_kv_heads)
     where = f"recipe {plan.name!r} ({plan.source})"
     # no model or tokenizer here: the policies that would need them are refused before they prepare

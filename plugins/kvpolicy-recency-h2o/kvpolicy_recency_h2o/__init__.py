@@ -18,8 +18,6 @@ import torch
 import kvpolicy
 from kvpolicy import AttentionStats, Policy, TokenView
 
-from .task import KVTokens
-
 __version__ = "0.1.0"
 
 
@@ -60,4 +58,16 @@ def kvpolicy_register_policies() -> list[type]:
 
 @kvpolicy.hookimpl
 def kvpolicy_register_tasks() -> list:
+    # imported here: the task module loads kvpolicy's tasks (and transformers), which the policy alone does not
+    # need, and every kvpolicy command imports this plugin to find its policies
+    from .task import KVTokens
+
     return [KVTokens()]
+
+
+def __getattr__(name: str) -> object:
+    if name == "KVTokens":  # `from kvpolicy_recency_h2o import KVTokens`, without loading it at import
+        from .task import KVTokens
+
+        return KVTokens
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
