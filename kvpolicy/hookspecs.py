@@ -22,8 +22,8 @@ def kvpolicy_register_policies() -> list[type]:
     """Return the `kvpolicy.Policy` subclasses this plugin provides.
 
     Each needs a unique ``name`` (the recipe's ``policy:`` value) and may only ask for
-    statistics the backend computes (``needs`` within ``colsum``, ``colsum_sq``,
-    ``below_uniform``, ``last_rows``). A policy that breaks these rules, or a hook that
+    statistics the backend computes (``needs`` and ``profile_needs`` within
+    `kvpolicy.policies.base.STAT_NAMES`). A policy that breaks these rules, or a hook that
     raises, marks the plugin as broken; the other plugins and the built-ins still work.
     """
 

@@ -20,29 +20,55 @@ read by the caller every few steps.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..backend.call import AttentionCall
-from ..policies.base import AttentionStats
+from ..policies.base import AttentionStats, TokenView
+from ..storage.base import KVStore
 from ..storage.dense import DenseStore
+from .budgets import CellBudgets
+from .policy_group import LayerPolicies, PolicyGroup
 
-if TYPE_CHECKING:
-    from .layer import PolicyLayer
+
+class SteppedLayer(Protocol):
+    """What the static step reads and writes of its layer (`kvpolicy.cache.layer.PolicyLayer`)."""
+
+    store: KVStore | None
+    budgets: CellBudgets
+    policies: LayerPolicies
+    cell_state: dict[str, torch.Tensor]
+    tokens_seen: torch.Tensor  # [B] real tokens per row: the step reads and advances it on the device
+    pending: tuple[int, int] | None  # (first slot, count) of the tokens this pass appended
+    slots_seen: int
+    evictions: int
+    # what rules the step out
+    drops_early: bool
+    token_id_policies: list[str]
+    in_cache_cells: torch.Tensor | None
+    profiled: bool
+
+    @property
+    def valid(self) -> torch.Tensor: ...
+
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+    def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]: ...
+
+    def token_view(self) -> TokenView: ...
 
 
 class StaticStep:
-    """The static decode step of one `PolicyLayer`: whether it applies, and its append, call and eviction.
+    """The static decode step of one layer: whether it applies, and its append, call and eviction.
 
-    What it reads of the layer is the layer's public state: its store and budgets, its policies
-    (`LayerPolicies`), ``tokens_seen``, the per-cell policy state, and the facts that rule the step
-    out (``drops_early``, ``token_id_policies``, ``in_cache_cells``, ``profiled``). What it writes
-    back: the store's slots, ``tokens_seen``, ``pending``, and, after the steps, ``slots_seen`` and
-    ``evictions``.
+    It reads and writes only what `SteppedLayer` names: the layer's store and budgets, its policies,
+    ``tokens_seen``, the per-cell policy state and the facts that rule the step out; it writes back the
+    store's slots, ``tokens_seen``, ``pending``, and, after the steps, ``slots_seen`` and ``evictions``.
     """
 
-    def __init__(self, layer: PolicyLayer):
+    def __init__(self, layer: SteppedLayer):
         self.layer = layer
         #: set by the engine while a compiled step runs: the layer's append, call and end take this path
         self.active = False

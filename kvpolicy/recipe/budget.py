@@ -2,7 +2,7 @@
 
 Its way through the code: a recipe's ``budget:`` mapping is read into a `Budget` (`budget_yaml.read_budget`; the
 command line, lm-eval and vLLM give a bare number, read by `parse_budget`); resolving the recipe
-(`resolve.resolve_plan`) gives every (layer, KV head) its own `Budget`, with a rule's missing parts taken from
+(`resolve.resolve_layers`) gives every (layer, KV head) its own `Budget`, with a rule's missing parts taken from
 the top-level budget (`Budget.over`) and a schedule spread over the layers (`Schedule`); a cache layer turns its
 heads' budgets into a ``[batch, kv_heads]`` tensor of token limits once it knows the prompt's length
 (`kvpolicy.cache.budgets.CellBudgets.set_limits`, through `Budget.limits_for`), and eviction keeps each cell's

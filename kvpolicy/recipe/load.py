@@ -20,7 +20,7 @@ from .budget import UNBOUNDED, Budget
 from .budget_yaml import read_budget
 from .checks import build_params, check_keys, line_of, quote, read_yaml, recipe_error
 from .plan import Plan
-from .resolve import Cell, Rule, resolve_plan
+from .resolve import Cell, Rule, resolve_layers
 from .schema import BACKEND_NAMES, DEFAULTS, RULE_KEYS, RULES, SCHEMA_VERSION, TOP_KEYS
 from .selectors import read_selector
 
@@ -47,7 +47,10 @@ class Recipe:
 
     def resolve(self, num_layers: int, num_kv_heads: int) -> Plan:
         """The `Plan` for a model of ``num_layers`` decoder layers and ``num_kv_heads`` KV heads."""
-        return resolve_plan(self, num_layers, num_kv_heads)
+        start = dataclasses.replace(self._default, budget=self.budget)
+        layers, notes = resolve_layers(start, self._rules, num_layers, num_kv_heads, self._file)
+        return Plan(name=self.name, layers=layers, backend=self.backend, source=self.source,
+                    description=self.description, extra={"notes": notes})
 
 
 def builtin_recipe_names() -> list[str]:

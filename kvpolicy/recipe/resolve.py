@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .budget import BY_POLICY, UNBOUNDED, Budget, budget_amount, scale_budget
 from .checks import build_params, line_of, recipe_error
-from .plan import HeadPlan, LayerPlan, Plan
+from .plan import HeadPlan, LayerPlan
 from .selectors import Selector, spans_text
-
-if TYPE_CHECKING:
-    from .load import Recipe
 
 
 @dataclass(frozen=True)
@@ -51,27 +48,28 @@ def takes_budget(cls: type) -> bool:
     return cls.evicts and not cls.dynamic_budget
 
 
-def resolve_plan(recipe: Recipe, num_layers: int, num_kv_heads: int) -> Plan:
-    start = dataclasses.replace(recipe._default, budget=recipe.budget)
+def resolve_layers(start: Cell, rules: tuple[Rule, ...], num_layers: int, num_kv_heads: int,
+                   file: str) -> tuple[list[LayerPlan], list[str]]:
+    """Every layer's plan for a model of ``num_layers`` x ``num_kv_heads``, from the recipe's ``start`` cell (its
+    policy, params and top-level budget) and its ``rules``; and a note per budget schedule, saying how it spread."""
     grid = [[start] * num_kv_heads for _ in range(num_layers)]
-    for rule in recipe._rules:
-        for layer in rule.layers.indices(num_layers, "layer", recipe._file, rule.line, f"{rule.path}.layers"):
+    for rule in rules:
+        for layer in rule.layers.indices(num_layers, "layer", file, rule.line, f"{rule.path}.layers"):
             heads = range(num_kv_heads) if rule.heads is None else rule.heads.indices(
-                num_kv_heads, "KV head", recipe._file, rule.line, f"{rule.path}.heads")
+                num_kv_heads, "KV head", file, rule.line, f"{rule.path}.heads")
             for head in heads:
-                grid[layer][head] = _apply(rule, grid[layer][head], recipe)
-    notes = _spread_schedules(grid, recipe._file)
-    return Plan(name=recipe.name, layers=[LayerPlan([_head(cell, recipe._file) for cell in row]) for row in grid],
-                backend=recipe.backend, source=recipe.source, description=recipe.description, extra={"notes": notes})
+                grid[layer][head] = _apply(rule, grid[layer][head], start.budget, file)
+    notes = _spread_schedules(grid, file)
+    return [LayerPlan([_head(cell, file) for cell in row]) for row in grid], notes
 
 
-def _apply(rule: Rule, cell: Cell, recipe: Recipe) -> Cell:
+def _apply(rule: Rule, cell: Cell, top: Budget, file: str) -> Cell:
     policy, params = cell.policy, cell.params
     if rule.policy is not None and rule.policy is not policy:
         policy, params = rule.policy, rule.fresh
     elif rule.params is not None:
-        params = build_params(policy, rule.params, params, f"{rule.path}.params", recipe._file, line_of(rule.params))
-    budget = rule.budget.over(recipe.budget) if rule.budget is not None else cell.budget
+        params = build_params(policy, rule.params, params, f"{rule.path}.params", file, line_of(rule.params))
+    budget = rule.budget.over(top) if rule.budget is not None else cell.budget
     return Cell(policy, params, budget, rule.line)
 
 
