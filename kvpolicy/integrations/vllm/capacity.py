@@ -94,6 +94,15 @@ def prompt_ids(tokenizer, args: argparse.Namespace) -> list[list[int]]:
     return [ids[i * stride: i * stride + length] for i, length in enumerate(lengths)]
 
 
+def block_bytes(args: argparse.Namespace) -> int:
+    """K/V bytes of one KV block of every layer of ``args.model`` at ``args.dtype`` (vLLM's page size, all layers)."""
+    config = json.loads((args.model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[args.dtype]
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * args.block_size * dtype_bytes
+
+
 def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, blocks: int) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -104,8 +113,9 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     if args.kv_memory is not None:
         engine_args["kv_cache_memory_bytes"] = args.kv_memory
     else:
-        # on CPU, vLLM checks this share of RAM is free even when the block count is given
-        engine_args.update(num_gpu_blocks_override=blocks, gpu_memory_utilization=0.2)
+        # the bytes of exactly these blocks: without a size, vLLM's CPU worker asks for a share of the NUMA node's RAM
+        # less this process's resident memory, which a second engine in the same process can exceed on a small node
+        engine_args.update(num_gpu_blocks_override=blocks, kv_cache_memory_bytes=(blocks + 1) * block_bytes(args))
     if args.prefill_chunk:
         engine_args["max_num_batched_tokens"] = args.prefill_chunk
     if recipe != "full":
