@@ -390,6 +390,23 @@ def test_reader_resolves_relative_and_function_level_imports(tmp_path):
                      ("kvpolicy.policies.base", "kvpolicy.attach", False)}
 
 
+def test_graph_summary_counts_rooms_levels_and_upward_imports(tmp_path):
+    pkg = tmp_path / PACKAGE
+    for folder in ("recipe", "cache"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "errors.py").write_text("")
+    (pkg / "recipe" / "budget.py").write_text("from ..errors import x\nfrom . import plan\n")
+    (pkg / "recipe" / "plan.py").write_text("")
+    (pkg / "cache" / "layer.py").write_text("from ..recipe.budget import Budget\nimport torch\n")
+    summary = graph_summary(pkg)
+    assert summary == {"modules": 7, "rooms": 4, "levels": 3, "imports between rooms": 2, "module imports": 3,
+                       "running up the layers": 0}
+    (pkg / "recipe" / "plan.py").write_text("def f():\n    from kvpolicy.cache import layer\n")  # layer 0 -> 2
+    assert graph_summary(pkg)["running up the layers"] == 1
+
+
 def test_every_package_ships():
     """A non-editable install ships only the packages pyproject lists: every folder of kvpolicy/ must be there."""
     import tomllib

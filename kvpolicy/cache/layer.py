@@ -48,16 +48,16 @@ class PolicyLayer:
         """``rows``: the layer's plan for every batch row (one `LayerPlan` shared by all rows, or one per row);
         ``policies``: the layer's policies over those cells (`LayerPolicies.of_rows`)."""
         self.layer_idx, self.policies, self.backend = layer_idx, policies, backend
-        self.groups = groups = policies.groups
-        policies = [g.policy for g in groups]
+        groups = policies.groups
+        instances = [g.policy for g in groups]
         self.profiling = [g for g in groups if g.policy.profile_needs]
         self.near_ratio = torch.zeros(len(rows), len(rows[0].heads), dtype=torch.float64)  # per cell
         for g in groups:
             if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
                 self.near_ratio[g.cells] = g.policy.near_ratio
-        self.drops_early = any(p.drops_early for p in policies)
+        self.drops_early = any(p.drops_early for p in instances)
         # per-slot token ids, kept only when a policy reads them (FastGen's special/punctuation tokens)
-        self.token_id_policies = [p.name for p in policies if p.needs_token_ids]
+        self.token_id_policies = [p.name for p in instances if p.needs_token_ids]
         self.token_feed: TokenFeed | None = None
         # cells whose keys move to in-cache RoPE positions (StreamingLLM), or None
         in_cache = [g.cells for g in groups if g.policy.in_cache_positions]
@@ -68,7 +68,7 @@ class PolicyLayer:
         self.budgets = CellBudgets(rows, groups, prompt_tokens)
         self.kernel_reads_tiers = False  # set when a tiered store is made (`_initialize`)
         if self.budgets.tiers:
-            refused = [(p.name, why) for p in policies for flag, why in (
+            refused = [(p.name, why) for p in instances for flag, why in (
                 (p.allocates, "splits budgets among its heads"), (p.dynamic_budget, "sets its own budgets"),
                 (p.in_cache_positions, "re-rotates keys to in-cache positions")) if flag]
             if refused:
@@ -131,7 +131,7 @@ class PolicyLayer:
             token_state["token_ids"] = torch.int32
         self.cell_state = {
             f"{g.prefix}{name}": torch.zeros((batch, heads), dtype=dtype, device=device)
-            for g in self.groups for name, dtype in g.policy.cell_state.items()
+            for g in self.policies.groups for name, dtype in g.policy.cell_state.items()
         }
         tiers = self.budgets.tiers
         if tiers:
@@ -282,7 +282,7 @@ class PolicyLayer:
         """A label per [batch row][KV head]: the policy's own (FastGen: the head's pattern), else its name."""
         batch, heads = self.valid.shape[:2]
         labels = [[""] * heads for _ in range(batch)]
-        for group in self.groups:
+        for group in self.policies.groups:
             given = call_policy(group.policy, "cell_labels", group.policy.cell_labels, self.group_state(group))
             owned = group.cells.expand(batch, heads).tolist()
             for b in range(batch):

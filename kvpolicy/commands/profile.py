@@ -156,7 +156,7 @@ def profile_model(model: Any, tokenizer: Any, input_ids: torch.Tensor, *, source
     policy = next(p for p in session._policies.values() if p.name == "fastgen")
     patterns, recovery, kept = [], [], []
     for layer in cache.layers:
-        group = next(g for g in layer.groups if g.policy.name == "fastgen")
+        group = next(g for g in layer.policies.groups if g.policy.name == "fastgen")
         patterns.append(layer.cell_labels()[0])
         recovery.append(layer.group_state(group)["recovery"][0].tolist())
         kept.append(layer.valid[0].sum(dim=1).tolist())

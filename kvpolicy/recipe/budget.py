@@ -139,7 +139,6 @@ UNBOUNDED = Budget()
 BY_POLICY = Budget(by_policy=True)
 
 
-
 @dataclass(frozen=True)
 class Schedule:
     """How a budget is spread over the layers that use it; the mean over those layers is the budget.

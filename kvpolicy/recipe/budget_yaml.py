@@ -113,7 +113,8 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
                                                       given[0] if len(given) == 1 else None)
     inherits = frozenset({"slack"} if rule and "slack" not in raw else ())
     if (rule and not given and schedule is not None) or (not given and tiers and schedule is None):
-        inherits |= {"amount"} if rule else set()
+        if rule:
+            inherits |= {"amount"}
         return Budget(slack=slack, tiers=tiers, schedule=schedule, inherits=inherits, source=path)
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens/memory" + (f", not {' and '.join(given)}" if given else "")

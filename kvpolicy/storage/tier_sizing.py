@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..errors import KVPolicyError
 from ..recipe.budget import UNBOUNDED_TOKENS, Budget, Tier
 from .tier_formats import TierCosts
@@ -58,7 +56,7 @@ def tier_sizes(budget: Budget, prompt: int, costs: TierCosts, slack: int) -> lis
     if not budget.is_limited:
         return [t.tokens if t.tokens is not None else UNBOUNDED_TOKENS for t in tiers]
     if budget.memory is None:
-        total = int(budget.limits_for(torch.tensor([prompt]))[0])
+        total = budget.limit_for(prompt)
         sizes = [t.tokens if t.tokens is not None else int(t.share * total) if t.share is not None else 0 for t in tiers]
         sizes[-1] = max(total - sum(sizes[:-1]), 0)
         return sizes

@@ -224,7 +224,6 @@ class PagedPolicies:
 
     def __init__(self, policies: LayerPolicies, backend: str = "torch"):
         self.policies, self.backend = policies, backend
-        self.needs, self.last_rows_window = policies.needs, policies.last_rows_window
 
     @staticmethod
     def _gather_state(cache: PagedLayerCache, rows: RowBlocks) -> dict[str, torch.Tensor]:
@@ -271,10 +270,10 @@ class PagedPolicies:
         Returns the output [R, q, Hq, D]."""
         positions, valid = rows.layout(rows.gather(cache.positions))
         if self.backend == "triton" and query_index.shape[1] == 1 and bool((query_index >= 0).all()) \
-                and self.needs <= IN_PLACE_STATS:
+                and self.policies.needs <= IN_PLACE_STATS:
             return self._attend_in_place(cache, rows, valid, query[query_index[:, 0]], scaling)
         # the torch path computes these in fp32: one conversion here, not one per matmul or query chunk
-        dtype = torch.float32 if self.needs or query_index.shape[1] == 1 else cache.keys.dtype
+        dtype = torch.float32 if self.policies.needs or query_index.shape[1] == 1 else cache.keys.dtype
         # into buffers reused by every layer and step: in isolation, index_select into a reused buffer took half the
         # time of one into a fresh multi-MB tensor (end to end, at most ~10% of the layer, within this CPU's noise)
         dim, both = cache.keys.shape[-1], cache.both_halves()
@@ -291,14 +290,14 @@ class PagedPolicies:
             keys=keys, values=values, valid=valid, key_positions=positions,
             query_positions=torch.where(query_valid, query_positions, -1),
             query_valid=None if bool(query_valid.all()) else query_valid,
-            past_slots=keys.shape[2] - width, scaling=scaling, needs=self.needs,
-            last_rows_window=self.last_rows_window, backend=self.backend,
+            past_slots=keys.shape[2] - width, scaling=scaling, needs=self.policies.needs,
+            last_rows_window=self.policies.last_rows_window, backend=self.backend,
             # a request never evicted reads its tokens in place, one slot each, none missing: causality is the mask
             causal_only=len(rows.arena) == 1 and int(rows.arena[0]) == 0 and int(rows.first[0]) == 0
             and bool(query_valid.all()),
         )
         result = attend(grouped_query, call)
-        if result.stats is not None and self.needs:
+        if result.stats is not None and self.policies.needs:
             self._observe(cache, rows, result.stats)
         return result.output
 
@@ -318,9 +317,10 @@ class PagedPolicies:
         valid = torch.nn.functional.pad(valid, (0, slots - rows.width))  # a cut last block: its tail holds nothing
         table = rows.blocks.to(query.device)
         out, lse = paged_decode(query, cache.keys, cache.values, table, valid, scaling)
-        if self.needs:
+        if self.policies.needs:
             colsum = paged_column_sums(query, cache.keys, table, valid, lse, scaling)[:, :, : rows.width]
             queries = torch.ones(query.shape[0], dtype=torch.long, device=query.device)
-            last_rows = colsum[:, :, None] if "last_rows" in self.needs and self.last_rows_window > 0 else None
+            needs, window = self.policies.needs, self.policies.last_rows_window
+            last_rows = colsum[:, :, None] if "last_rows" in needs and window > 0 else None
             self._observe(cache, rows, AttentionStats(queries=queries, colsum=colsum, last_rows=last_rows))
         return out[:, None]
