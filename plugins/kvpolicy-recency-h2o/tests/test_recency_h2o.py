@@ -66,3 +66,15 @@ def test_kvtokens_counts_the_budget_after_prefill(tiny_llama):
     full, bounded = task.run(ctx, rows)
     assert full["kv_tokens_per_layer"] == [40.0, 40.0] and full["kv_kept_ratio"] == 1.0
     assert bounded["kv_tokens_mean"] == 8.0 and bounded["kv_kept_ratio"] == pytest.approx(0.2)
+
+
+def test_importing_the_plugin_leaves_the_tasks_and_transformers_unloaded():
+    """Every kvpolicy command imports the plugin to find its policy: the task (and transformers) load only when the
+    tasks hook asks for them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvpolicy_recency_h2o; heavy = [m for m in ('kvpolicy.tasks', 'transformers') if m in sys.modules]; "
+            "assert not heavy, heavy; from kvpolicy_recency_h2o import KVTokens; assert 'kvpolicy.tasks' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
