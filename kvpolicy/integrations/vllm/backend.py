@@ -1,18 +1,21 @@
 """The worker side: vLLM's CPU attention backend, subclassed so that kvpolicy's policies run in it.
 
 Without a ``kvpolicy`` entry in vLLM's ``additional_config`` every method defers to the stock backend. With one,
-the layers keep their K/V in the same cache tensor vLLM allocated (keys in the first half of each slot, values
-in the second, one row per token: ``[blocks, kv_heads, block_size, head_dim]`` each), and per step:
+the layers keep their K/V in the cache tensor vLLM allocated, in its kernel's layout, and per step:
 
 - the metadata builder runs the request schedule (`schedule.RequestSchedule`, the same rule as the scheduler's
-  manager), and lists for each layer budget which requests evict now and which blocks each request reads;
-- each layer evicts (its policies score the tokens; each KV head's best move into the arena), writes the step's
-  new tokens, and attends with kvpolicy's backend, which returns the statistics its policies then observe.
+  manager) and, for each layer budget, lists which requests evict now and builds vLLM's own metadata over the
+  compact layout (`RequestSchedule.compact`): each request's blocks in the order its kernel reads them, its
+  tokens held as the sequence length, and where the step's tokens go;
+- each layer compacts the requests that evict (its policies score the tokens; each KV head's best fill its first
+  ``budget`` slots), writes the step's tokens, runs vLLM's kernel for the outputs, and, where its policies read
+  attention statistics, a score pass over the keys (`paged.PagedPolicies`).
 """
 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -29,7 +32,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from ...cache.policy_group import LayerPolicies
 from ...errors import KVPolicyError
 from .engine import engine_from_config, process_engine
-from .paged import PagedLayerCache, PagedPolicies, RowBlocks
+from .paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
 from .schedule import RequestSchedule
 from .settings import PagedLayer
 from .spec import KVPolicySpec
@@ -41,8 +44,10 @@ logger = init_logger("vllm.kvpolicy")
 class RuleStep:
     """What the layers of one budget rule do in one step."""
 
-    evict: tuple[RowBlocks, torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, budget, seen, arena blocks
-    attend: list[tuple[RowBlocks, torch.Tensor, torch.Tensor]]  # rows, query index, query positions
+    kernel: CPUAttentionMetadata  # vLLM's metadata over the compact layout: its kernel computes the outputs
+    slots: torch.Tensor  # [N] where each new token goes in the compact layout
+    evict: tuple[CompactRows, torch.Tensor, torch.Tensor] | None  # rows as they were, budget, tokens seen
+    observe: list[tuple[CompactRows, torch.Tensor, torch.Tensor]]  # rows, query index, query positions
 
 
 @dataclass
@@ -115,12 +120,14 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
         self.schedules: dict[int, RequestSchedule] = {}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         if not self.engine.active:
-            return metadata
-        return KVPolicyMetadata(**metadata.__dict__, kvpolicy=self._plan_step(common_attn_metadata))
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build)
+        if step is None:  # a dummy run: stock metadata, and the layers write and read nothing
+            return KVPolicyMetadata(**super().build(common_prefix_len, common_attn_metadata, fast_build).__dict__)
+        return KVPolicyMetadata(**step.rules[0].kernel.__dict__, kvpolicy=step)
 
-    def _plan_step(self, common) -> StepPlan | None:
+    def _plan_step(self, common_prefix_len, common, fast_build) -> StepPlan | None:
         plan, block_size = self.engine.plan, self.kv_cache_spec.block_size
         starts = common.query_start_loc_cpu.tolist()
         ends = common.seq_lens.cpu().tolist()
@@ -145,32 +152,47 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
                                         "this integration needs every step of a request on one worker")
                 schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size,
                                                                          plan.evict_during_prefill)
-            before = [self._rows_for(schedule, rule, start) for rule in range(len(plan.rules))]
+            before = [schedule.compact(rule, start) for rule in range(len(plan.rules))]
             decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False,
                                            prompt_tokens[row] if prompt_tokens is not None else None)
-            requests.append((row, start, end, schedule, before, decision))
-        positions = torch.cat([torch.arange(start, end) for _, start, end, *_ in requests])
-        # decode steps together (one query each); each prompt chunk alone, unpadded (long, of any length)
-        decoding = [r for r in requests if r[2] - r[1] == 1]
-        groups = ([decoding] if decoding else []) + [[r] for r in requests if r[2] - r[1] > 1]
-        queries = [self._queries(group, starts) for group in groups]
+            after = [schedule.compact(rule, end) for rule in range(len(plan.rules))]
+            requests.append(_Request(row, start, end, schedule, before, after, decision))
+        positions = torch.cat([torch.arange(r.start, r.end) for r in requests])
+        # the statistics: decode steps together (one query each), each prompt chunk alone (long, of any length)
+        decoding = [r for r in requests if r.end - r.start == 1]
+        groups = ([decoding] if decoding else []) + [[r] for r in requests if r.end - r.start > 1]
+        queries = [_queries(group, starts) for group in groups] if self.engine.plan.needs_statistics else []
         rules = []
         for rule in range(len(plan.rules)):
-            evicting = [r for r in requests if r[5][rule]]
+            evicting = [r for r in requests if r.decision[rule]]
             evict = None
             if evicting:
-                rows = RowBlocks.of([self._physical(table, r[0], r[4][rule]) for r in evicting], block_size)
-                budget = torch.tensor([r[3].states[rule].budget for r in evicting], dtype=torch.long)
-                seen = torch.tensor([r[1] for r in evicting], dtype=torch.long)
-                arena = torch.tensor([r[3].arena(rule) for r in evicting], dtype=torch.long)
-                evict = (rows, budget, seen, arena)
-            attend = []
-            for group, (query_index, query_positions) in zip(groups, queries, strict=True):
-                rows = RowBlocks.of([self._physical(table, r[0], self._rows_for(r[3], rule, r[2])) for r in group],
-                                    block_size)
-                attend.append((rows, query_index, query_positions))
-            rules.append(RuleStep(evict, attend))
+                rows = CompactRows.of([_physical(table, r.row, r.before[rule]) for r in evicting], block_size)
+                budget = torch.tensor([r.schedule.states[rule].budget for r in evicting], dtype=torch.long)
+                seen = torch.tensor([r.start for r in evicting], dtype=torch.long)
+                evict = (rows, budget, seen)
+            layouts = {r.row: _physical(table, r.row, r.after[rule]) for r in requests}
+            observe = [(CompactRows.of([layouts[r.row] for r in group], block_size), *query)
+                       for group, query in zip(groups, queries, strict=False)]
+            slots = torch.cat([_slots(layouts[r.row][0], r.after[rule][2], r.start, r.end, block_size)
+                               for r in requests])
+            kernel = super().build(common_prefix_len, self._compact(common, requests, layouts, rule, slots),
+                                   fast_build)
+            rules.append(RuleStep(kernel, slots, evict, observe))
         return StepPlan(rules, positions)
+
+    @staticmethod
+    def _compact(common, requests: list[_Request], layouts: dict, rule: int, slots: torch.Tensor):
+        """vLLM's common metadata over the compact layout: each request's blocks in the order its kernel reads them,
+        its tokens held as the sequence length."""
+        count = max(len(layouts[r.row][0]) for r in requests)
+        table = torch.zeros(len(requests), count, dtype=common.block_table_tensor.dtype)
+        for index, r in enumerate(requests):
+            blocks = layouts[r.row][0]
+            table[index, : len(blocks)] = torch.tensor(blocks, dtype=table.dtype)
+        lengths = torch.tensor([layouts[r.row][1] for r in requests], dtype=common.seq_lens.dtype)
+        return dataclasses.replace(common, seq_lens=lengths, block_table_tensor=table, slot_mapping=slots,
+                                   max_seq_len=int(lengths.max()), seq_lens_cpu_upper_bound=None)
 
     @staticmethod
     def _prompt_tokens(rows: int) -> list[int] | None:
@@ -179,28 +201,64 @@ class KVPolicyMetadataBuilder(CPUAttentionMetadataBuilder):
             return None
         return shared[:rows].tolist()
 
-    @staticmethod
-    def _rows_for(schedule: RequestSchedule, rule: int, end: int) -> tuple[list[int], int, int, int]:
-        logical, first = schedule.live_blocks(rule, end)
-        evicted = schedule.states[rule].evicted_at is not None
-        return logical, schedule.arena(rule) if evicted else 0, first, end
 
-    @staticmethod
-    def _physical(table: torch.Tensor, row: int, rows: tuple[list[int], int, int, int]):
-        logical, arena, first, end = rows
-        return table[row, logical].tolist(), logical, arena, first, end
+@dataclass
+class _Request:
+    row: int
+    start: int
+    end: int
+    schedule: RequestSchedule
+    before: list[tuple[list[int], int, int]]  # per rule: `RequestSchedule.compact` before the step's eviction
+    after: list[tuple[list[int], int, int]]  # and with the step's tokens in
+    decision: tuple[bool, ...]
 
-    @staticmethod
-    def _queries(group: list, starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's new tokens, right-aligned (left pads: -1), and their positions."""
-        width = max(r[2] - r[1] for r in group)
-        index = torch.full((len(group), width), -1, dtype=torch.long)
-        positions = torch.full((len(group), width), -1, dtype=torch.long)
-        for i, (row, start, end, *_) in enumerate(group):
-            count = end - start
-            index[i, width - count:] = torch.arange(starts[row], starts[row] + count)
-            positions[i, width - count:] = torch.arange(start, end)
-        return index, positions
+
+def _physical(table: torch.Tensor, row: int, layout: tuple[list[int], int, int]) -> tuple[list[int], int]:
+    logical, length, _ = layout
+    return table[row, logical].tolist(), length
+
+
+def _slots(blocks: list[int], shift: int, start: int, end: int, block_size: int) -> torch.Tensor:
+    """Where the tokens at positions [start, end) go: slot ``position - shift`` of the request's compact blocks."""
+    index = torch.arange(start - shift, end - shift)
+    return torch.tensor(blocks, dtype=torch.long)[index // block_size] * block_size + index % block_size
+
+
+def _queries(group: list[_Request], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's new tokens, right-aligned (left pads: -1), and their positions."""
+    width = max(r.end - r.start for r in group)
+    index = torch.full((len(group), width), -1, dtype=torch.long)
+    positions = torch.full((len(group), width), -1, dtype=torch.long)
+    for i, r in enumerate(group):
+        count = r.end - r.start
+        index[i, width - count:] = torch.arange(starts[r.row], starts[r.row] + count)
+        positions[i, width - count:] = torch.arange(r.start, r.end)
+    return index, positions
+
+
+def check_cpu_layout(kv_cache: torch.Tensor, isa: str) -> None:
+    """vLLM's own write (its kernel's layout, which depends on the CPU's instruction set) puts keys and values where
+    `paged.cpu_cache_views` reads them; else one clear line."""
+    _check_cpu_layout(tuple(kv_cache.shape[1:]), kv_cache.dtype, isa)
+
+
+@functools.cache  # once per process and cache shape
+def _check_cpu_layout(shape: tuple[int, int, int], dtype: torch.dtype, isa: str) -> None:
+    from vllm import _custom_ops as ops
+
+    heads, block_size, both = shape
+    dim = both // 2
+    scratch = torch.zeros(1, heads, block_size, both, dtype=dtype)
+    # small whole numbers, exact in every dtype the kernel takes
+    keys = (torch.arange(block_size * heads * dim) % 61).view(block_size, heads, dim).to(dtype)
+    values = (torch.arange(block_size * heads * dim) % 59).view(block_size, heads, dim).to(dtype)
+    key_cache, value_cache = scratch.view(1, heads, 2 * block_size, dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(keys, values, key_cache, value_cache, torch.arange(block_size), isa,
+                                   k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    read_keys, read_values = cpu_cache_views(scratch)
+    if not (torch.equal(read_keys[0].transpose(0, 1), keys) and torch.equal(read_values[0].transpose(0, 1), values)):
+        raise KVPolicyError(f"kvpolicy: vLLM's CPU attention kernel ({isa}, {dtype}) lays out its KV cache "
+                            "in a way kvpolicy does not read yet; serve without the kvpolicy entry, or in float32")
 
 
 class KVPolicyImpl(CPUAttentionBackendImpl):
@@ -210,45 +268,45 @@ class KVPolicyImpl(CPUAttentionBackendImpl):
 
         self.engine = engine_from_config(get_current_vllm_config())
         self.caches: dict[str, PagedLayerCache] = {}
+        self.cache_pointers: dict[str, int] = {}
         # per attention module: its decoder layer's plan and policies (looked up by name once, not every step)
         self.layers: dict[str, tuple[PagedLayer, PagedPolicies]] = {}
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if not self.engine.active:
             super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        # else: forward writes the step's tokens, after this layer's evictions have made room
+        # else: forward writes the step's tokens where the compact layout puts them, after this layer's eviction
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        if not self.engine.active:
+        step = getattr(attn_metadata, "kvpolicy", None)
+        if not self.engine.active or step is None:  # no recipe; or warm-up and profiling runs: nothing kept
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
-        step = getattr(attn_metadata, "kvpolicy", None)
-        if step is None:  # warm-up and profiling runs: no request, nothing kept
-            return output
         name = layer.layer_name
         if name not in self.layers:
             paged_layer = self.engine.layer(name)
             self.layers[name] = paged_layer, PagedPolicies(paged_layer.policies)
         paged_layer, policies = self.layers[name]
-        cache = self._cache(name, kv_cache, paged_layer.policies)
+        cache = self._cache(name, kv_cache, paged_layer.policies, layer.isa)
         todo = step.rules[paged_layer.rule]
         if todo.evict is not None:
-            rows, budget, seen, arena = todo.evict
-            policies.evict(cache, rows, budget, seen, arena)
+            policies.evict(cache, *todo.evict)
         count = attn_metadata.num_actual_tokens
-        cache.write(key[:count], value[:count], attn_metadata.slot_mapping[:count], step.positions)
-        for rows, query_index, query_positions in todo.attend:
-            result = policies.attend(cache, rows, query, query_index, query_positions, self.scale)
-            real = query_index >= 0
-            output[query_index[real]] = result[real].to(output.dtype)
+        # the step's tokens after this layer's eviction made room for them, where the compact layout puts them
+        super().do_kv_cache_update(layer, key[:count], value[:count], kv_cache, todo.slots)
+        cache.write_metadata(todo.slots, step.positions)
+        super().forward(layer, query, key, value, kv_cache, todo.kernel, output, output_scale, output_block_scale)
+        for rows, query_index, query_positions in todo.observe:
+            policies.observe(cache, rows, query, query_index, query_positions, self.scale)
         return output
 
-    def _cache(self, name: str, kv_cache: torch.Tensor, policies: LayerPolicies) -> PagedLayerCache:
+    def _cache(self, name: str, kv_cache: torch.Tensor, policies: LayerPolicies, isa: str) -> PagedLayerCache:
         cache = self.caches.get(name)
-        if cache is None or cache.keys.data_ptr() != kv_cache.data_ptr():
-            dim = self.head_size
-            cache = self.caches[name] = PagedLayerCache.over(kv_cache[..., :dim], kv_cache[..., dim:], policies)
+        if cache is None or self.cache_pointers.get(name) != kv_cache.data_ptr():
+            check_cpu_layout(kv_cache, isa)
+            cache = self.caches[name] = PagedLayerCache.over(*cpu_cache_views(kv_cache), policies)
+            self.cache_pointers[name] = kv_cache.data_ptr()
             logger.debug("kvpolicy: layer %s keeps %d metadata bytes per block beside its K/V", name,
                          cache.metadata_bytes_per_block())
         return cache

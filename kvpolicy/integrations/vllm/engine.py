@@ -41,7 +41,8 @@ class Engine:
 def engine_from_config(vllm_config: Any) -> Engine:
     """This process's engine for ``vllm_config`` (built at the first call; the same config gives the same one)."""
     global _ENGINE
-    fingerprint = id(vllm_config)
+    parallel = vllm_config.parallel_config
+    fingerprint = (id(vllm_config), getattr(parallel, "rank", 0))
     if _ENGINE is not None and _ENGINE.fingerprint == fingerprint:
         return _ENGINE
     settings = read_settings(getattr(vllm_config, "additional_config", None))
@@ -49,9 +50,11 @@ def engine_from_config(vllm_config: Any) -> Engine:
     if settings is not None:
         check_engine(vllm_config)
         model = vllm_config.model_config
-        parallel = vllm_config.parallel_config
-        plan = paged_plan(settings, model.get_num_layers(parallel), model.get_num_kv_heads(parallel),
-                          vllm_config.cache_config.block_size)
+        total_heads = model.get_total_num_kv_heads()
+        tp_size = getattr(parallel, "tensor_parallel_size", 1)
+        heads = rank_heads(total_heads, tp_size, getattr(parallel, "rank", 0) % tp_size)
+        plan = paged_plan(settings, model.get_total_num_hidden_layers(), total_heads,
+                          vllm_config.cache_config.block_size, heads=heads)
         if plan is not None:
             plan.step_tokens = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
         if plan is None:
@@ -60,6 +63,16 @@ def engine_from_config(vllm_config: Any) -> Engine:
             logger.info("kvpolicy: %s (block size %d)", plan.describe(), vllm_config.cache_config.block_size)
     _ENGINE = Engine(settings, plan, fingerprint)
     return _ENGINE
+
+
+def rank_heads(total: int, tp_size: int, tp_rank: int) -> range:
+    """The KV heads a tensor-parallel rank holds, as vLLM splits them: a run of ``total / tp_size`` each, or, with
+    fewer heads than ranks, one head that ``tp_size / total`` neighbouring ranks hold alike."""
+    if total >= tp_size:
+        per_rank = total // tp_size
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    head = tp_rank // (tp_size // total)
+    return range(head, head + 1)
 
 
 def process_engine() -> Engine | None:
@@ -85,9 +98,12 @@ def check_engine(vllm_config: Any) -> None:
         raise KVPolicyError(f"{PREFIX}: speculative decoding is on; kvpolicy's eviction schedule counts one "
                             "accepted token per step: serve without speculative_config")
     parallel = vllm_config.parallel_config
-    if getattr(parallel, "tensor_parallel_size", 1) > 1 or getattr(parallel, "pipeline_parallel_size", 1) > 1:
-        raise KVPolicyError(f"{PREFIX}: tensor or pipeline parallelism is not supported yet (each rank would "
-                            "resolve the recipe's head rules on its own heads); serve with one rank")
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise KVPolicyError(f"{PREFIX}: pipeline parallelism is not supported yet; serve with "
+                            "pipeline_parallel_size=1 (tensor parallelism works)")
+    if getattr(parallel, "decode_context_parallel_size", 1) > 1:
+        raise KVPolicyError(f"{PREFIX}: decode context parallelism splits a request's tokens between ranks, which "
+                            "evict them as one; serve with decode_context_parallel_size=1 (tensor parallelism works)")
     kv_dtype = str(getattr(cache, "cache_dtype", "auto"))
     if kv_dtype != "auto":
         raise KVPolicyError(f"{PREFIX}: kv_cache_dtype={kv_dtype!r}; the kvpolicy cache stores K/V in the model's "

@@ -93,15 +93,22 @@ class RequestSchedule:
         budget = self.states[rule].budget
         return arena_blocks(budget, self.block_size) if budget is not None else 0
 
-    def live_blocks(self, rule: int, end: int) -> tuple[list[int], int]:
-        """The logical blocks a rule's layers read when ``end`` tokens are in, and the first token position that is
-        still in its place outside the arena (0 before any eviction)."""
+    def compact(self, rule: int, end: int) -> tuple[list[int], int, int]:
+        """How a rule's layers lay out a request's tokens for the engine's attention kernel when ``end`` tokens are
+        in: (the logical blocks in the order the kernel reads them, the tokens they hold from their first slot on,
+        the shift from a position to its slot). Hole-free: before the rule's first eviction, every token at its
+        position; after one, the arena's first ``budget`` slots hold the kept tokens (each KV head its own) and
+        the tokens since the eviction follow, position ``p`` at slot ``p - shift``, in the arena's free tail and
+        then the blocks vLLM allocated for them. Those blocks are never among `empty_blocks` and vLLM has
+        allocated them already: slot ``p - shift`` falls in a block no later than position ``p``'s own."""
         state = self.states[rule]
-        last = -(-end // self.block_size)
         if state.evicted_at is None:
-            return list(range(last)), 0
-        first = state.evicted_at // self.block_size
-        return list(range(self.arena(rule))) + list(range(first, last)), state.evicted_at
+            return list(range(-(-end // self.block_size))), end, 0
+        shift = state.evicted_at - state.budget
+        length = end - shift
+        arena, first = self.arena(rule), state.evicted_at // self.block_size
+        blocks = [j if j < arena else first + j - arena for j in range(-(-length // self.block_size))]
+        return blocks, length, shift
 
     def empty_blocks(self) -> tuple[int, int]:
         """Logical blocks [lo, hi) that every rule has emptied (lo >= hi: none)."""

@@ -14,7 +14,7 @@ from ...errors import KVPolicyError
 from ...policies.base import Policy
 from ...recipe import load_recipe, with_budget
 from ...recipe.budget import Budget, parse_budget
-from ...recipe.plan import Plan
+from ...recipe.plan import LayerPlan, Plan
 from ...recipe.schema import MAX_TOKENS
 from ...recipe.selectors import spans_text
 from ...registry import Registry, get_registry
@@ -85,6 +85,11 @@ class PagedPlan:
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
     step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
 
+    @property
+    def needs_statistics(self) -> bool:
+        """Whether any layer's policies read attention statistics (a score pass then runs beside the kernel)."""
+        return any(layer.policies.needs for layer in self.layers)
+
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)
         during = ", evicting during prefill" if self.evict_during_prefill else ""
@@ -92,8 +97,10 @@ class PagedPlan:
 
 
 def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_size: int,
-               registry: Registry | None = None) -> PagedPlan | None:
-    """Resolve the recipe for the model; None if it evicts nothing (``full``): vLLM then runs stock.
+               registry: Registry | None = None, heads: range | None = None) -> PagedPlan | None:
+    """Resolve the recipe for the model (``num_kv_heads``: all of them); None if it evicts nothing (``full``): vLLM
+    then runs stock. ``heads``: the KV heads this process holds (a tensor-parallel rank's), all by default; every
+    rank resolves the same recipe over all heads and runs the policies of its own.
 
     Raises KVPolicyError, in one line, for what paged blocks cannot hold: budgets that differ between the KV heads
     of a layer (a block holds every head of its layer), layers without a budget beside bounded ones (a block
@@ -123,6 +130,8 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
             f"{where}: layer(s) {spans_text(free)} keep every token while the others evict; in vLLM a KV block holds "
             "every layer, so no block could be freed. Give every layer a budget (budget: or layers: rules), "
             "or serve without kvpolicy")
+    if heads is not None and (heads.step != 1 or not 0 <= heads.start < heads.stop <= num_kv_heads):
+        raise ValueError(f"heads must be a run of the model's {num_kv_heads} KV heads, got {heads}")
     rules: list[Budget] = []
     layers: list[PagedLayer] = []
     for index, layer in enumerate(plan.layers):
@@ -135,7 +144,8 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
         rule = layer.heads[0].budget.amount_only()
         if rule not in rules:
             rules.append(rule)
-        layers.append(PagedLayer(policies=LayerPolicies.of_rows([layer], policies), rule=rules.index(rule)))
+        held = LayerPlan(layer.heads[heads.start:heads.stop]) if heads is not None else layer
+        layers.append(PagedLayer(policies=LayerPolicies.of_rows([held], policies), rule=rules.index(rule)))
     recipe_slack = max(h.budget.slack for layer in plan.layers for h in layer.heads)
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
     slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
