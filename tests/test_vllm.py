@@ -408,5 +408,24 @@ def test_kvpolicy_bench_engine_vllm_as_the_docs_give_it(vllm_python, embedded_mo
     assert (out / "vllm_capacity.png").stat().st_size > 10_000
 
 
+def test_kvpolicy_bench_engine_vllm_runs_tensor_parallel(vllm_python, tiny_llama_dir, tmp_path):
+    """`kvpolicy bench --engine vllm --tensor-parallel-size 2` serves on two ranks (the tiny Llama's two KV heads,
+    one core each): the recipe holds fewer blocks than the full cache, and every request gets its tokens."""
+    out = tmp_path / "bench-tp"
+    command = [str(Path(sys.executable).parent / "kvpolicy"), "bench", "--engine", "vllm", "--recipes", "full", "h2o",
+               "--model", str(tiny_llama_dir), "--prompt-tokens", "320", "--new-tokens", "8", "--max-batch", "3",
+               "--tensor-parallel-size", "2", "--dtype", "float32", "--out", str(out), "--vllm-python",
+               str(vllm_python)]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}  # the benchmark binds the cores
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "2 tensor-parallel ranks" in run.stdout
+    rows = [json.loads(line) for line in (out / "vllm_capacity.jsonl").read_text().splitlines()]
+    serving = {row["config"]: row for row in rows if row["kind"] == "serving"}
+    assert {row["tensor_parallel_size"] for row in serving.values()} == {2}
+    assert serving["h2o"]["mean_blocks"] < serving["full"]["mean_blocks"]
+    assert serving["h2o"]["generated"] == serving["full"]["generated"] == 3 * 8
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-m", "vllm", "-v"]))

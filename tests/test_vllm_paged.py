@@ -184,17 +184,19 @@ def test_paged_matches_dense_layer_step_by_step(policy, params):
 
 @pytest.mark.parametrize("policy,params", [("h2o", {"recent_ratio": 0.5}), ("tova", {})])
 def test_the_triton_score_pass_reads_the_blocks_in_place_as_the_torch_path_does(policy, params, monkeypatch):
-    """backend triton (the interpreter here): decode steps score by `triton_paged` over the blocks where they lie;
-    the evictions their statistics drive keep the outputs on the dense layer's, step by step."""
+    """backend triton (the interpreter here): decode steps score by `triton_paged` over the blocks where they lie,
+    and evictions move the K/V there (`move_slots`); the evictions the statistics drive keep the outputs on the
+    dense layer's, step by step."""
     import kvpolicy.backend.triton_paged as triton_paged
 
-    calls = {"scores": 0}
-    original = triton_paged.paged_column_sums
-    monkeypatch.setattr(triton_paged, "paged_column_sums", lambda *a, **kw: (
-        calls.__setitem__("scores", calls["scores"] + 1), original(*a, **kw))[1])
+    calls = {"paged_column_sums": 0, "move_slots": 0}
+    for name in calls:
+        original = getattr(triton_paged, name)
+        monkeypatch.setattr(triton_paged, name, lambda *a, _f=original, _n=name, **kw: (
+            calls.__setitem__(_n, calls[_n] + 1), _f(*a, **kw))[1])
     steps = [[9, 0], [7, 13], *DECODE[:14]]
     assert run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps, backend="triton") < 1e-5
-    assert calls["scores"] >= 14
+    assert calls["paged_column_sums"] >= 14 and calls["move_slots"] >= 3
 
 
 @pytest.mark.parametrize("slack", [0, 1, BLOCK - 1, 2 * BLOCK + 1])

@@ -12,6 +12,8 @@ evicted head of a block do not). Two kernels, one query per request (a decode st
   log-sum-exp (this one's, or FlashAttention's on a layout without holes) it recomputes ``exp2(q.k * scale -
   lse)`` for one block and writes its column sums, averaged over the G query heads: the statistic H2O reads
   (and TOVA's last row, the same thing for one query).
+* `_move_slots_kernel`, one program per moved (token, KV head): an eviction's compaction, each kept token that
+  lies past a request's first ``budget`` slots copied into the slot of a dropped one, in the cache as it lies.
 
 Probabilities are fp32 whatever the cache's dtype. Under ``TRITON_INTERPRET=1`` these run on CPU (slowly): that is
 how the tests check them against the torch path.
@@ -157,3 +159,38 @@ def paged_column_sums(query: torch.Tensor, keys: torch.Tensor, table: torch.Tens
         kv_heads, groups, blocks, scaling * LOG2E, **constants,
     )
     return colsum
+
+
+@triton.jit
+def _move_slots_kernel(K, V, SRC_BLOCK, SRC_OFFSET, DST_BLOCK, DST_OFFSET, HEAD, stride_kb, stride_kh, stride_kn,
+                       stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    i = tl.program_id(0)
+    src_block = tl.load(SRC_BLOCK + i).to(tl.int64)
+    src_offset = tl.load(SRC_OFFSET + i).to(tl.int64)
+    dst_block = tl.load(DST_BLOCK + i).to(tl.int64)
+    dst_offset = tl.load(DST_OFFSET + i).to(tl.int64)
+    head = tl.load(HEAD + i).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    in_dim = d < HEAD_DIM
+    key = tl.load(K + src_block * stride_kb + head * stride_kh + src_offset * stride_kn + d * stride_kd, mask=in_dim)
+    value = tl.load(V + src_block * stride_vb + head * stride_vh + src_offset * stride_vn + d * stride_vd,
+                    mask=in_dim)
+    tl.store(K + dst_block * stride_kb + head * stride_kh + dst_offset * stride_kn + d * stride_kd, key, mask=in_dim)
+    tl.store(V + dst_block * stride_vb + head * stride_vh + dst_offset * stride_vn + d * stride_vd, value,
+             mask=in_dim)
+
+
+def move_slots(keys: torch.Tensor, values: torch.Tensor, source: tuple[torch.Tensor, torch.Tensor],
+               target: tuple[torch.Tensor, torch.Tensor], head: torch.Tensor) -> None:
+    """The compaction: for each i, KV head ``head[i]``'s key and value at (block, offset) ``source`` move to
+    ``target``, in ``keys``/``values`` [blocks, Hkv, block_size, D] of any strides (vLLM's cache as it lies). One
+    program per moved slot; the sources and targets of one compaction are distinct slots, so no program reads
+    what another writes."""
+    count = head.numel()
+    if count == 0:
+        return
+    ids = [t.to(device=keys.device, dtype=torch.int64).contiguous() for t in (*source, *target, head)]
+    dim = keys.shape[-1]
+    _move_slots_kernel[(count,)](keys, values, *ids, *keys.stride(), *values.stride(), HEAD_DIM=dim,
+                                 BLOCK_D=triton.next_power_of_2(dim))

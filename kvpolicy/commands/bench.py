@@ -60,6 +60,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --engine vllm: tokens per engine step (vLLM's max_num_batched_tokens), so long prompts come in chunks")
     add("--evict-during-prefill", action="store_true",
         help="with --engine vllm: recipes evict between a prompt's chunks (docs/vllm.md, evict_during_prefill)")
+    add("--tensor-parallel-size", type=int, default=None,
+        help="with --engine vllm: ranks that split the model's KV heads (vLLM's tensor_parallel_size)")
 
 
 # --- output ---------------------------------------------------------------------------------------------
@@ -154,8 +156,12 @@ def _check(args: argparse.Namespace) -> None:
         raise KVPolicyError(f"--stream-tokens {args.stream_tokens}: must be at least 1")
     if args.stream_tokens is None and args.recipe:
         raise KVPolicyError("--recipe names the recipe of a --stream-tokens run; for throughput use --recipes")
-    if args.engine != "vllm" and (args.prefill_chunk is not None or args.evict_during_prefill):
-        raise KVPolicyError("--prefill-chunk and --evict-during-prefill are options of --engine vllm")
+    if args.engine != "vllm" and (args.prefill_chunk is not None or args.evict_during_prefill
+                                  or args.tensor_parallel_size is not None):
+        raise KVPolicyError("--prefill-chunk, --evict-during-prefill and --tensor-parallel-size are options of "
+                            "--engine vllm")
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise KVPolicyError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be at least 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:
         raise KVPolicyError(f"--prefill-chunk {args.prefill_chunk}: must be at least 1")
     if args.engine == "transformers" and args.kv_memory is None:

@@ -44,6 +44,8 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--prefill-chunk", str(args.prefill_chunk)]
     if args.evict_during_prefill:
         argv += ["--evict-during-prefill"]
+    if args.tensor_parallel_size:
+        argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.out:
         argv += ["--out", args.out]
     return argv

@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--evict-during-prefill", action="store_true",
                         help="recipes evict between a prompt's chunks (the entry's evict_during_prefill)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks that split the model's KV heads (vLLM's tensor_parallel_size); on vLLM's CPU "
+                             "build each rank gets its share of the cores (VLLM_CPU_OMP_THREADS_BIND, unless set)")
     parser.add_argument("--text", type=Path, help="the prompts' text (default: CPython's pydoc_data.topics)")
     parser.add_argument("--kernel-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"vllm-capacity-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -55,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; pass a local model folder (the embedded SmolLM2 "
                      "is cached there by any `kvpolicy` command, e.g. `kvpolicy compare --tasks ppl --tokens 50`)")
-    for name in ("requests", "prompt_tokens", "new_tokens", "block_size", "kernel_repeats"):
+    for name in ("requests", "prompt_tokens", "new_tokens", "block_size", "kernel_repeats", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.prefill_chunk < 0:
@@ -103,13 +106,25 @@ def block_bytes(args: argparse.Namespace) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * args.block_size * dtype_bytes
 
 
+def bind_cores(ranks: int) -> None:
+    """vLLM's CPU build runs several ranks only with their cores given (it refuses for lack of NUMA nodes on a
+    machine with one): an even share each, unless VLLM_CPU_OMP_THREADS_BIND says otherwise."""
+    if ranks > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // ranks)
+        spans = [cores[r * share: (r + 1) * share] or cores[-1:] for r in range(ranks)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{span[0]}-{span[-1]}" if len(span) > 1 else f"{span[0]}" for span in spans)
+
+
 def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, blocks: int) -> dict:
     from vllm import LLM, SamplingParams
 
     engine_args = {"dtype": args.dtype, "enforce_eager": True, "enable_prefix_caching": False,
                    "block_size": args.block_size,
                    "max_model_len": max(map(len, prompts)) + args.new_tokens + args.block_size,
-                   "max_num_seqs": len(prompts), "disable_log_stats": True}
+                   "max_num_seqs": len(prompts), "disable_log_stats": True,
+                   "tensor_parallel_size": args.tensor_parallel_size}
     if args.kv_memory is not None:
         engine_args["kv_cache_memory_bytes"] = args.kv_memory
     else:
@@ -170,6 +185,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     return {
         "config": recipe, "requests": len(prompts), "kv_blocks": pool.num_gpu_blocks - 1,  # less the null block
         "block_size": args.block_size, "prefill_chunk": args.prefill_chunk or None,
+        "tensor_parallel_size": args.tensor_parallel_size,
         "evict_during_prefill": args.evict_during_prefill and recipe != "full",
         "peak_running": max(step["running"] for step in records),
         "peak_blocks": max(step["blocks"] for step in records),
@@ -274,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = prompt_ids(tokenizer, args)
     blocks = args.kv_blocks or math.ceil(2.5 * (args.prompt_tokens + args.new_tokens) / args.block_size)
     args.out.mkdir(parents=True, exist_ok=True)
+    bind_cores(args.tensor_parallel_size)
     rows = [run_config(recipe, prompts, args, blocks) for recipe in args.recipes]
     full = next((row for row in rows if row["config"] == "full"), None)
     header = ("config", "peak running", "peak blocks", "mean blocks", "decode tok/s", "end-to-end tok/s",
@@ -281,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens, "
           f"{args.new_tokens} new tokens each, {blocks} KV blocks of {args.block_size} tokens, {args.dtype}"
           + (f", prefill chunks of {args.prefill_chunk}" if args.prefill_chunk else "")
-          + (", recipes evicting during prefill" if args.evict_during_prefill else ""))
+          + (", recipes evicting during prefill" if args.evict_during_prefill else "")
+          + (f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""))
     print(" | ".join(header))
     for row in rows:
         ratio = ""

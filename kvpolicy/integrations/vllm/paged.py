@@ -93,13 +93,15 @@ class CompactRows:
     block_size: int
 
     @classmethod
-    def of(cls, rows: list[tuple[list[int], int]], block_size: int) -> CompactRows:
+    def of(cls, rows: list[tuple[list[int], int]], block_size: int, device: torch.device | str = "cpu"
+           ) -> CompactRows:
         """From (physical blocks, length) per request."""
         count = max(1, max(len(blocks) for blocks, _ in rows))
         table = torch.zeros(len(rows), count, dtype=torch.long)
         for index, (blocks, _) in enumerate(rows):
             table[index, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        return cls(table, torch.tensor([length for _, length in rows], dtype=torch.long), block_size)
+        lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
+        return cls(table.to(device), lengths.to(device), block_size)
 
     @property
     def width(self) -> int:
@@ -147,8 +149,9 @@ IN_PLACE_STATS = frozenset({"colsum", "last_rows"})
 class PagedPolicies:
     """One layer's policies over a paged cache: compact at eviction, and observe the statistics they read.
 
-    ``backend="triton"`` (CUDA, or the interpreter in tests): the score pass of a batch of decode steps whose
-    policies read only `IN_PLACE_STATS` runs in `backend.triton_paged`, reading the blocks where they lie.
+    ``backend="triton"`` (CUDA, or the interpreter in tests): the compaction's K/V moves, and the score pass of a
+    batch of decode steps whose policies read only `IN_PLACE_STATS`, run in `backend.triton_paged`, reading the
+    blocks where they lie.
     """
 
     def __init__(self, policies: LayerPolicies, backend: str = "torch"):
@@ -177,7 +180,14 @@ class PagedPolicies:
             raise RuntimeError("kvpolicy: an eviction kept a different number of tokens in the heads of one request")
         src_block, src_offset = rows.slot(row, source)
         dst_block, dst_offset = rows.slot(row, target)
-        for tensor in (cache.keys, cache.values, cache.positions, *cache.state.values()):
+        moved = [cache.positions, *cache.state.values()]
+        if self.backend == "triton":  # the K/V in one kernel over the cache as it lies
+            from ...backend.triton_paged import move_slots
+
+            move_slots(cache.keys, cache.values, (src_block, src_offset), (dst_block, dst_offset), head)
+        else:
+            moved += [cache.keys, cache.values]
+        for tensor in moved:
             tensor[dst_block, head, dst_offset] = tensor[src_block, head, src_offset]
 
     def observe(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, query_index: torch.Tensor,
