@@ -5,8 +5,9 @@
 
 A batch of decode steps over paged blocks laid out as an evicted request's are (an arena with holes, then blocks
 in place from an evicted head on), shuffled over the pool: per layer call, the in-place kernels (output + log-sum-exp,
-then the score pass) against `PagedPolicies`' gather path with torch's attention, which the CPU build runs. Prints
-the largest differences of output and column sums, and the median milliseconds of each.
+then the score pass) against a gather path with torch's attention; and an eviction's compaction by `move_slots`
+against torch's indexing (the CPU path), both over a copy of the cache (the copy's time is in both). Prints the
+largest differences, whether the compactions agree, and the median milliseconds of each.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kvpolicy.backend.torch_ref import _decode_step
-from kvpolicy.backend.triton_paged import paged_column_sums, paged_decode
+from kvpolicy.backend.triton_paged import move_slots, paged_column_sums, paged_decode
 
 
 def layout(requests: int, context: int, heads: int, block: int, device: torch.device, seed: int = 0):
@@ -52,6 +53,37 @@ def gathered(query, keys, values, table, valid, scaling):
 def in_place(query, keys, values, table, valid, scaling):
     out, lse = paged_decode(query, keys, values, table, valid, scaling)
     return out, paged_column_sums(query, keys, table, valid, lse, scaling)
+
+
+def compaction(keys, values, table, kv_heads: int, block: int, generator: torch.Generator):
+    """An eviction's moves for every request and KV head (a fifth of its slots, from the back half into the front
+    half), as `move_slots` and as torch's indexing (the CPU path) apply them to copies of the cache."""
+    requests, blocks = table.shape
+    per_cell = blocks * block // 5
+    picks = torch.stack([torch.randperm(blocks * block // 2, generator=generator)[: 2 * per_cell]
+                         for _ in range(requests * kv_heads)]).view(requests, kv_heads, 2, per_cell)
+    half = blocks * block // 2
+    row = torch.arange(requests)[:, None, None].expand(requests, kv_heads, per_cell).reshape(-1)
+    head = torch.arange(kv_heads)[None, :, None].expand(requests, kv_heads, per_cell).reshape(-1)
+    target, source = picks[:, :, 0].reshape(-1), half + picks[:, :, 1].reshape(-1)
+    device = keys.device
+    table_cpu = table.cpu()
+    src = (table_cpu[row, source // block].to(device), (source % block).to(device))
+    dst = (table_cpu[row, target // block].to(device), (target % block).to(device))
+    head = head.to(device)
+
+    def with_kernel():
+        k, v = keys.clone(), values.clone()
+        move_slots(k, v, src, dst, head)
+        return k, v
+
+    def with_torch():
+        k, v = keys.clone(), values.clone()
+        for tensor in (k, v):
+            tensor[dst[0], head, dst[1]] = tensor[src[0], head, src[1]]
+        return k, v
+
+    return with_kernel, with_torch
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -101,6 +133,12 @@ def main() -> None:
                 "decode_only_ms": timed(lambda inputs=inputs: paged_decode(*inputs), device, args.repeats),
                 "gather_ms": timed(lambda inputs=inputs: gathered(*inputs), device, args.repeats),
             }
+            move_kernel, move_torch = compaction(keys, values, table, kv_heads, args.block_size,
+                                                 torch.Generator().manual_seed(1))
+            (k1, v1), (k2, v2) = move_kernel(), move_torch()
+            row["compaction_equal"] = bool(torch.equal(k1, k2) and torch.equal(v1, v2))
+            row["compaction_kernel_ms"] = timed(move_kernel, device, args.repeats)
+            row["compaction_torch_ms"] = timed(move_torch, device, args.repeats)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:

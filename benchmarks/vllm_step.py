@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +33,17 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--model", default=str(Path.home() / ".cache" / "kvpolicy" / "smollm2-135m-instruct"))
     args = parser.parse_args()
+    if len(args.recipes) > 1:  # one process each: an engine torn down late would take the next one's process groups
+        for recipe in args.recipes:
+            argv = [a for a in sys.argv[1:]]
+            at = argv.index("--recipes") if "--recipes" in argv else None
+            if at is not None:
+                end = at + 1
+                while end < len(argv) and not argv[end].startswith("--"):
+                    end += 1
+                del argv[at:end]
+            subprocess.run([sys.executable, __file__, *argv, "--recipes", recipe], check=True)
+        return
     from pydoc_data.topics import topics
 
     from vllm import LLM, SamplingParams

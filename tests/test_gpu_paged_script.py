@@ -25,3 +25,4 @@ def test_the_gpu_paged_script_checks_the_kernels_against_the_gather_path(tmp_pat
     for row in rows:
         assert row["max_output_diff"] < 1e-5 and row["max_colsum_diff"] < 1e-6
         assert row["in_place_ms"] > 0 and row["gather_ms"] > 0
+        assert row["compaction_equal"] and row["compaction_kernel_ms"] > 0

@@ -62,11 +62,14 @@ class PagedRequest:
         self.pool, self.blocks, self.prompt, self.done = pool, [], prompt, 0
         self.manager_view = RequestSchedule(rules, slack, BLOCK)  # the scheduler's copy
         self.worker_view = RequestSchedule(rules, slack, BLOCK)  # the worker's copy
+        self.last_blocks: list[int | None] = []  # the block table the worker saw at the last step
 
     def schedule(self, count: int) -> None:
-        """What vLLM's manager does before a step of ``count`` tokens: free, then allocate."""
-        lo, hi = self.manager_view.empty_blocks()
+        """What vLLM's manager does before a step of ``count`` tokens: decide, free what the step's eviction
+        empties (into the pool, where the other request may take it in the same step), then allocate."""
+        self.last_blocks = list(self.blocks)
         self.manager_view.start_step(self.done, prefilling=self.done < self.prompt)
+        lo, hi = self.manager_view.empty_blocks()
         for logical in range(lo, min(hi, len(self.blocks))):
             if self.blocks[logical] is not None:
                 self.pool.append(self.blocks[logical])
@@ -74,11 +77,13 @@ class PagedRequest:
         while len(self.blocks) < math.ceil((self.done + count) / BLOCK):
             self.blocks.append(self.pool.pop(0))
 
-    def rows(self, end: int) -> tuple[list[int], int]:
-        """(physical blocks, length) of the compact layout with ``end`` tokens in; a freed block there fails."""
+    def rows(self, end: int, table: list[int | None] | None = None) -> tuple[list[int], int]:
+        """(physical blocks, length) of the compact layout with ``end`` tokens in, from ``table`` (default: this
+        step's block table); a freed block there fails."""
         logical, length, _ = self.worker_view.compact(0, end)
-        physical = [self.blocks[i] for i in logical]
-        assert None not in physical, f"the layout reads a freed block: {logical} over {self.blocks}"
+        table = self.blocks if table is None else table
+        physical = [table[i] for i in logical]
+        assert None not in physical, f"the layout reads a freed block: {logical} over {table}"
         return physical, length
 
     def slots(self, count: int) -> torch.Tensor:
@@ -118,7 +123,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
         evicting, befores = [], {}
         for r in active:
             request = paged[r]
-            befores[r] = request.rows(request.done)
+            befores[r] = request.rows(request.done, request.last_blocks)  # as the worker remembers them
             if request.worker_view.start_step(request.done, prefilling=request.done < request.prompt)[0]:
                 evicting.append(r)
         if evicting:
@@ -218,7 +223,7 @@ def test_paged_and_dense_keep_the_same_tokens():
     evictions = 0
     for count in [11] + [1] * 20:
         request.schedule(count)
-        before = request.rows(request.done)
+        before = request.rows(request.done, request.last_blocks)
         if request.worker_view.start_step(request.done, prefilling=False)[0]:
             evictions += 1
             policies.evict(cache, CompactRows.of([before], BLOCK), torch.tensor([8]), torch.tensor([request.done]))
@@ -332,21 +337,21 @@ def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evi
     (2000, 96, (Budget(ratio=0.3), Budget(tokens=64))),
 ])
 def test_peak_blocks_bounds_what_a_request_evicting_during_prefill_holds(prompt, chunk, rules):
-    """vLLM's scheduler admits a request when `peak_blocks` are free: a request fed in chunks, with the manager's
-    one-step delay before emptied blocks return, must never hold more (else a full pool would deadlock)."""
+    """vLLM's scheduler admits a request when `peak_blocks` are free: a request fed in chunks, the manager freeing
+    what each step's eviction empties at that step's start, must never hold more (else a full pool would deadlock)."""
     block, slack = 32, 31
     schedule = RequestSchedule(rules, slack, block, evict_during_prefill=True)
     freed, most, done = set(), 0, 0
     while done < prompt + 200:
         count = min(chunk, prompt - done) if done < prompt else 1
-        lo, hi = schedule.empty_blocks()  # what the manager frees: emptied at earlier step starts
         schedule.start_step(done, prefilling=done < prompt, prompt_tokens=prompt)
+        lo, hi = schedule.empty_blocks()  # what the manager frees: emptied up to this step's start
         freed |= set(range(lo, hi))
         allocated = -(-(done + count) // block)  # the logical blocks this step's tokens need
         most = max(most, len(set(range(allocated)) - freed))
         done += count
     bound = peak_blocks(rules, slack, block, prompt, chunk)
-    assert most <= bound < most + 4  # a bound, and not a loose one
+    assert most <= bound < most + 6, (most, bound)  # a bound, and not a loose one
     if 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for, once chunks are small
         assert bound < -(-prompt // block) * 0.7
 

@@ -41,7 +41,8 @@ def count_calls() -> None:
 
         setattr(module, name, call)
 
-    counted(ops, "cpu_attention_with_kv_cache", "vllm_kernel")
+    if hasattr(ops, "cpu_attention_with_kv_cache"):  # the CPU build's kernel (a CUDA build counts none)
+        counted(ops, "cpu_attention_with_kv_cache", "vllm_kernel")
     for module in (dispatch, torch_ref):
         counted(module, "attend", "kvpolicy_attention")
 

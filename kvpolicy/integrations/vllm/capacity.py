@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks that split the model's KV heads (vLLM's tensor_parallel_size); on vLLM's CPU "
                              "build each rank gets its share of the cores (VLLM_CPU_OMP_THREADS_BIND, unless set)")
+    parser.add_argument("--load-format", default="auto",
+                        help="vLLM's load_format: `dummy` gives random weights of the model's shape (a folder with its "
+                             "config and tokenizer only, e.g. on a machine without the weights)")
     parser.add_argument("--text", type=Path, help="the prompts' text (default: CPython's pydoc_data.topics)")
     parser.add_argument("--kernel-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"vllm-capacity-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -124,7 +127,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
                    "block_size": args.block_size,
                    "max_model_len": max(map(len, prompts)) + args.new_tokens + args.block_size,
                    "max_num_seqs": len(prompts), "disable_log_stats": True,
-                   "tensor_parallel_size": args.tensor_parallel_size}
+                   "tensor_parallel_size": args.tensor_parallel_size, "load_format": args.load_format}
     if args.kv_memory is not None:
         engine_args["kv_cache_memory_bytes"] = args.kv_memory
     else:
@@ -309,8 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(str(row[key]) for key in ("config", "peak_running", "peak_blocks", "mean_blocks",
                                                    "decode_tokens_per_s", "end_to_end_tokens_per_s",
                                                    "ttft_median_s", "ttft_max_s")) + ratio)
+    from vllm.platforms import current_platform
+
     contexts = sorted({math.ceil(0.2 * args.prompt_tokens), args.prompt_tokens})
-    kernels = [kernel_cost(args, context, requests) for context in contexts for requests in (1, args.requests)]
+    kernels = []
+    if current_platform.is_cpu():  # the per-layer comparison calls vLLM's CPU kernel directly
+        kernels = [kernel_cost(args, context, requests) for context in contexts for requests in (1, args.requests)]
     print("\nattention per layer and decode step, ms (median):")
     for kernel in kernels:
         print(f"  context {kernel['context']}, {kernel['requests']} requests: " + ", ".join(

@@ -52,7 +52,8 @@ class _Request:
     start: int
     end: int
     schedule: RequestSchedule
-    before: list[tuple[list[int], int, int]]  # per rule: `RequestSchedule.compact` before the step's eviction
+    table: list[int]  # its block table row this step
+    before: list[tuple[list[int], int]]  # per rule: (physical blocks, length) before the step's eviction
     after: list[tuple[list[int], int, int]]  # and with the step's tokens in
     decision: tuple[bool, ...]
 
@@ -96,6 +97,9 @@ class CompactBuilder:
             share_prompt_lengths()
         # a request's schedule, by the physical id of its first block (the arena's: held until the request ends)
         self.schedules: dict[int, RequestSchedule] = {}
+        # and its block table row at its last step: the scheduler frees the blocks a step's eviction empties at the
+        # start of that step, so the compaction finds them there, not in the step's table
+        self.last_tables: dict[int, list[int]] = {}
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build) if self.engine.active else None
@@ -131,11 +135,14 @@ class CompactBuilder:
                                         "this integration needs every step of a request on one worker")
                 schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size,
                                                                          plan.evict_during_prefill)
-            before = [schedule.compact(rule, start) for rule in range(len(plan.rules))]
+            row_table = table[row].tolist()
+            last_table = row_table if start == 0 else self.last_tables.get(first_block, row_table)
+            before = [_physical(last_table, schedule.compact(rule, start)) for rule in range(len(plan.rules))]
             decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False,
                                            prompt_tokens[row] if prompt_tokens is not None else None)
             after = [schedule.compact(rule, end) for rule in range(len(plan.rules))]
-            requests.append(_Request(row, start, end, schedule, before, after, decision))
+            self.last_tables[first_block] = row_table
+            requests.append(_Request(row, start, end, schedule, row_table, before, after, decision))
         device = common.block_table_tensor.device
         positions = torch.cat([torch.arange(r.start, r.end) for r in requests]).to(device)
         # the statistics: decode steps together (one query each), each prompt chunk alone (long, of any length)
@@ -147,10 +154,10 @@ class CompactBuilder:
             evicting = [r for r in requests if r.decision[rule]]
             evict = None
             if evicting:
-                rows = CompactRows.of([_physical(table, r.row, r.before[rule]) for r in evicting], block_size, device)
+                rows = CompactRows.of([r.before[rule] for r in evicting], block_size, device)
                 budget = torch.tensor([r.schedule.states[rule].budget for r in evicting], device=device)
                 evict = (rows, budget, torch.tensor([r.start for r in evicting], device=device))
-            layouts = {r.row: _physical(table, r.row, r.after[rule]) for r in requests}
+            layouts = {r.row: _physical(r.table, r.after[rule]) for r in requests}
             observe = [(CompactRows.of([layouts[r.row] for r in group], block_size, device), *query)
                        for group, query in zip(groups, queries, strict=False)]
             slots = torch.cat([_slots(layouts[r.row][0], r.after[rule][2], r.start, r.end, block_size)
@@ -181,9 +188,10 @@ def _compact(common, requests: list[_Request], layouts: dict, slots: torch.Tenso
                                slot_mapping=slots, max_seq_len=int(lengths.max()), seq_lens_cpu_upper_bound=lengths)
 
 
-def _physical(table: torch.Tensor, row: int, layout: tuple[list[int], int, int]) -> tuple[list[int], int]:
+def _physical(row_table: list[int], layout: tuple[list[int], int, int]) -> tuple[list[int], int]:
+    """(physical blocks, length) of a compact layout, from a request's block table row."""
     logical, length, _ = layout
-    return table[row, logical].tolist(), length
+    return [row_table[i] for i in logical], length
 
 
 def _slots(blocks: list[int], shift: int, start: int, end: int, block_size: int) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """When a request evicts, and which of its blocks are then empty: one rule, run alike by vLLM's scheduler and worker.
 
 A paged engine splits a request's KV blocks in two: the *arena*, its first ``ceil(budget / block_size)`` logical
-blocks, holds the tokens each KV head keeps (heads choose different tokens within the same slots), and the
-blocks after it receive new tokens at their positions. An eviction, at the start of a step, ranks the tokens of
-the arena and of the later blocks, keeps each head's ``budget`` best in the arena and leaves the later blocks
-empty (the one the next token goes to is only partly dead). The scheduler frees the empty blocks; the worker,
-which is never told which blocks were freed, works out the same layout from the same rule.
+blocks, whose first ``budget`` slots hold the tokens each KV head keeps (heads choose different tokens within the
+same slots), and the blocks after it. An eviction, at the start of a step, ranks every token the request holds,
+keeps each head's ``budget`` best at the arena's front, and packs the tokens that arrive after it right behind
+them (`RequestSchedule.compact`), so the engine's own kernel reads every request through a block table and a
+length. The blocks between the arena and the first one written since are then empty: the scheduler frees them at
+the start of that step (the worker's compaction reads them in each layer before the step's tokens are written
+there); the worker, which is never told which blocks were freed, works out the same layout from the same rule.
 
 The rule is kvpolicy's own (`kvpolicy.cache.budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
 is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
@@ -29,11 +31,11 @@ def arena_blocks(budget: int, block_size: int) -> int:
 def peak_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, tokens: int, step_tokens: int) -> int:
     """The most blocks a request of ``tokens`` (its prompt, at admission) ever holds when it evicts during prefill,
     at most ``step_tokens`` a step: each rule's arena, plus what came in since that rule's last eviction (at most
-    its slack and one chunk) and the chunk about to come, plus the blocks those straddle. The scheduler admits a
-    request when this many blocks are free, not its whole prompt's."""
-    since_eviction = slack + 1 + 2 * step_tokens
+    its slack: a step that evicts frees what it empties at once) and the chunk about to come, plus the blocks those
+    straddle. The scheduler admits a request when this many blocks are free, not its whole prompt's."""
+    since_eviction = slack + 1 + step_tokens
     most = max(arena_blocks(rule.limit_for(tokens), block_size) for rule in rules)
-    return min(most + -(-since_eviction // block_size) + 2, -(-tokens // block_size))
+    return min(most + -(-since_eviction // block_size) + 1, -(-tokens // block_size))
 
 
 @dataclass

@@ -48,7 +48,8 @@ class KVPolicySpec(FullAttentionSpec):
 
 
 class KVPolicyManager(FullAttentionManager):
-    """Frees the blocks a request's evictions emptied (`RequestSchedule.empty_blocks`), replaced by the null block."""
+    """Frees the blocks a request's evictions emptied (`RequestSchedule.empty_blocks`), replaced by the null block, at
+    the start of the step whose eviction empties them."""
 
     def __init__(self, kv_cache_spec: KVPolicySpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -81,14 +82,15 @@ class KVPolicyManager(FullAttentionManager):
         if schedule is None:
             schedule = self.schedules[request_id] = RequestSchedule(self.rules, self.slack, self.block_size,
                                                                     self.evict_during_prefill)
-        # blocks emptied at earlier step starts only: the step about to run may still read the ones it empties
-        lo, hi = schedule.empty_blocks()
         if self.evict_during_prefill and num_prompt_tokens is None:
             raise RuntimeError("kvpolicy: evict_during_prefill needs the prompt's length from vLLM's scheduler "
                                "(remove_skipped_blocks(..., num_prompt_tokens)); this vLLM does not pass it")
         prompt = num_prompt_tokens if num_prompt_tokens is not None else processed_computed_tokens + 1
         schedule.start_step(processed_computed_tokens, prefilling=processed_computed_tokens < prompt,
                             prompt_tokens=num_prompt_tokens)
+        # the blocks this step's eviction empties too: its compaction reads them in each layer before any token of
+        # the step is written there (the worker remembers where they were), so another request may take them now
+        lo, hi = schedule.empty_blocks()
         self._remove_blocks_in_range(request_id, lo, hi)
 
     def free(self, request_id: str) -> None:
