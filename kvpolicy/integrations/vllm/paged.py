@@ -18,7 +18,8 @@ KV head, the token's position and the policies' state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,6 +92,7 @@ class CompactRows:
     blocks: torch.Tensor  # [R, nblk] int64 physical block ids
     lengths: torch.Tensor  # [R] int64
     block_size: int
+    _valid: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, rows: list[tuple[list[int], int]], block_size: int, device: torch.device | str = "cpu"
@@ -103,13 +105,15 @@ class CompactRows:
         lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
         return cls(table.to(device), lengths.to(device), block_size)
 
-    @property
+    @functools.cached_property
     def width(self) -> int:
         return int(self.lengths.max())
 
     def valid(self) -> torch.Tensor:
-        """[R, 1, width] bool: the slots that hold tokens (the same for every KV head)."""
-        return (torch.arange(self.width, device=self.lengths.device) < self.lengths[:, None])[:, None]
+        """[R, 1, width] bool: the slots that hold tokens (the same for every KV head; made once for every layer)."""
+        if self._valid is None:
+            self._valid = (torch.arange(self.width, device=self.lengths.device) < self.lengths[:, None])[:, None]
+        return self._valid
 
     def gather_blocks(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` [blocks, ...] at these rows' blocks: [R, nblk, ...] (one copy)."""
@@ -228,18 +232,21 @@ class PagedPolicies:
 
     def _decode_scores(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
                        ) -> AttentionStats:
-        """One query per request (``query`` [R, Hq, D]): the logits block by block from the keys where each block
-        stores them (vLLM's CPU cache: transposed, so the copy is a plain one), softmax over each request's slots."""
+        """One query per request (``query`` [R, Hq, D]): the logits block by block, one batched matmul over every
+        (request, block, KV head), from the keys where each block stores them (vLLM's CPU cache: transposed, so
+        the copy is a plain one), then a softmax over each request's slots."""
         keys_t = rows.gather_blocks(cache.keys.transpose(-1, -2))  # [R, nblk, Hkv, D, bs]
-        count, heads = rows.blocks.shape[1], keys_t.shape[2]
-        grouped = query.reshape(query.shape[0], 1, heads, -1, query.shape[-1]).float() * scaling
-        logits = torch.matmul(grouped, keys_t.float())  # [R, nblk, Hkv, G, bs]
-        logits = logits.permute(0, 2, 3, 1, 4).reshape(query.shape[0], heads, -1, count * rows.block_size)
-        valid = rows.valid()[:, :, None]  # [R, 1, 1, width]
-        logits = logits[..., : rows.width].masked_fill(~valid, -torch.inf)
-        probs = torch.softmax(logits, dim=-1)
-        return torch_ref.decode_stats(probs, valid[:, :, 0].expand(-1, heads, -1), self.policies.needs,
-                                      self.policies.last_rows_window)
+        requests, count, heads, dim, block_size = keys_t.shape
+        groups = query.shape[1] // heads
+        grouped = (query.reshape(requests, 1, heads, groups, dim).float() * scaling).expand(
+            requests, count, heads, groups, dim).reshape(-1, groups, dim)
+        logits = torch.bmm(grouped, keys_t.float().view(-1, dim, block_size)).view(requests, count, heads, groups,
+                                                                                    block_size)
+        logits = logits.permute(0, 2, 3, 1, 4).reshape(requests, heads, groups, count * block_size)[..., : rows.width]
+        valid = rows.valid()
+        logits.masked_fill_(~valid[:, :, None], -torch.inf)
+        return torch_ref.decode_stats(torch.softmax(logits, dim=-1), valid.expand(-1, heads, -1),
+                                      self.policies.needs, self.policies.last_rows_window)
 
     def _scores_in_place(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
                          ) -> AttentionStats:
