@@ -200,6 +200,13 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
         "seconds": round(total, 1), "generated": sum(generated.values()),
         "running_per_step": [step["running"] for step in records],
         "blocks_per_step": [step["blocks"] for step in records],
+        # which steps count as decode-only (no prompt chunk in them), with their seconds and new tokens
+        "prefill_per_step": [step["prefill"] for step in records],
+        "seconds_per_step": [round(seconds, 4) for seconds, _ in step_times],
+        "tokens_per_step": [tokens for _, tokens in step_times],
+        "decode_running_mean": round(statistics.mean(step["running"] for (_, tokens), step
+                                                     in zip(step_times, records, strict=True)
+                                                     if not step["prefill"] and tokens), 1) if decode else None,
     }
 
 
