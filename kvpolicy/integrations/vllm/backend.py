@@ -19,23 +19,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from ...errors import KVPolicyError
-from .compact_step import CompactBuilder, CompactImpl, customize_spec
-from .engine import process_engine
+from .compact_step import CompactBackend, CompactBuilder, CompactImpl
 from .paged import cpu_cache_views
-
-
-class KVPolicyCPUBackend(CPUAttentionBackend):
-    @classmethod
-    def customize_spec(cls, spec):
-        return customize_spec(super().customize_spec(spec), process_engine())
-
-    @staticmethod
-    def get_impl_cls() -> type[KVPolicyImpl]:
-        return KVPolicyImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[KVPolicyMetadataBuilder]:
-        return KVPolicyMetadataBuilder
 
 
 class KVPolicyMetadataBuilder(CompactBuilder, CPUAttentionMetadataBuilder):
@@ -46,6 +31,11 @@ class KVPolicyImpl(CompactImpl, CPUAttentionBackendImpl):
     def cache_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         check_cpu_layout(kv_cache, layer.isa)
         return cpu_cache_views(kv_cache)
+
+
+class KVPolicyCPUBackend(CompactBackend, CPUAttentionBackend):
+    builder_class = KVPolicyMetadataBuilder
+    impl_class = KVPolicyImpl
 
 
 def check_cpu_layout(kv_cache: torch.Tensor, isa: str) -> None:

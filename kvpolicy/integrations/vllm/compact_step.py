@@ -264,6 +264,28 @@ class CompactImpl:
         return output
 
 
+class CompactBackend:
+    """Mixed in before a vLLM attention backend: its KV cache spec carries the recipe's budgets, and its builder and
+    implementation are the subclass's ``builder_class`` and ``impl_class`` (the stock ones with the mixins above)."""
+
+    builder_class: type
+    impl_class: type
+
+    @classmethod
+    def customize_spec(cls, spec):
+        from .engine import process_engine
+
+        return customize_spec(super().customize_spec(spec), process_engine())
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.impl_class
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.builder_class
+
+
 def customize_spec(spec, engine) -> Any:
     """The KV cache spec of a backend running ``engine``'s recipe: vLLM's full attention spec with its budgets."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec

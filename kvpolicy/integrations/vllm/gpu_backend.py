@@ -26,17 +26,18 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from .compact_step import CompactBuilder, CompactImpl, customize_spec
-from .engine import engine_from_config, process_engine
+from .compact_step import CompactBackend, CompactBuilder, CompactImpl
+from .engine import engine_from_config
 
 
-def slot_halves(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, values) ``[blocks, Hkv, bs, D]``: the halves of each slot of vLLM's GPU cache ``[blocks, Hkv, bs, 2D]``."""
-    dim = kv_cache.shape[-1] // 2
-    return kv_cache[..., :dim], kv_cache[..., dim:]
+class _SlotHalves(CompactImpl):
+    def cache_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) ``[blocks, Hkv, bs, D]``: the halves of each slot of the cache ``[blocks, Hkv, bs, 2D]``."""
+        dim = kv_cache.shape[-1] // 2
+        return kv_cache[..., :dim], kv_cache[..., dim:]
 
 
-class _NoCudaGraphs:
+class _NoCudaGraphs(CompactBuilder):
     supports_update_block_table = False
 
     @classmethod
@@ -46,47 +47,25 @@ class _NoCudaGraphs:
         return super().get_cudagraph_support(vllm_config, kv_cache_spec)
 
 
-class KVPolicyFlashAttentionBuilder(_NoCudaGraphs, CompactBuilder, FlashAttentionMetadataBuilder):
+class KVPolicyFlashAttentionBuilder(_NoCudaGraphs, FlashAttentionMetadataBuilder):
     pass
 
 
-class KVPolicyFlashAttentionImpl(CompactImpl, FlashAttentionImpl):
-    def cache_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return slot_halves(kv_cache)
-
-
-class KVPolicyFlashAttentionBackend(FlashAttentionBackend):
-    @classmethod
-    def customize_spec(cls, spec):
-        return customize_spec(super().customize_spec(spec), process_engine())
-
-    @staticmethod
-    def get_impl_cls() -> type[KVPolicyFlashAttentionImpl]:
-        return KVPolicyFlashAttentionImpl
-
-    @staticmethod
-    def get_builder_cls() -> type[KVPolicyFlashAttentionBuilder]:
-        return KVPolicyFlashAttentionBuilder
-
-
-class KVPolicyTritonBuilder(_NoCudaGraphs, CompactBuilder, TritonAttentionMetadataBuilder):
+class KVPolicyFlashAttentionImpl(_SlotHalves, FlashAttentionImpl):
     pass
 
 
-class KVPolicyTritonImpl(CompactImpl, TritonAttentionImpl):
-    def cache_views(self, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return slot_halves(kv_cache)
+class KVPolicyFlashAttentionBackend(CompactBackend, FlashAttentionBackend):
+    builder_class, impl_class = KVPolicyFlashAttentionBuilder, KVPolicyFlashAttentionImpl
 
 
-class KVPolicyTritonBackend(TritonAttentionBackend):
-    @classmethod
-    def customize_spec(cls, spec):
-        return customize_spec(super().customize_spec(spec), process_engine())
+class KVPolicyTritonBuilder(_NoCudaGraphs, TritonAttentionMetadataBuilder):
+    pass
 
-    @staticmethod
-    def get_impl_cls() -> type[KVPolicyTritonImpl]:
-        return KVPolicyTritonImpl
 
-    @staticmethod
-    def get_builder_cls() -> type[KVPolicyTritonBuilder]:
-        return KVPolicyTritonBuilder
+class KVPolicyTritonImpl(_SlotHalves, TritonAttentionImpl):
+    pass
+
+
+class KVPolicyTritonBackend(CompactBackend, TritonAttentionBackend):
+    builder_class, impl_class = KVPolicyTritonBuilder, KVPolicyTritonImpl
