@@ -1,5 +1,6 @@
 """kvpolicy inside vLLM (the CPU build, in its own environment): greedy parity with kvpolicy's transformers path,
-blocks really returned to vLLM's pool, stock behaviour without a recipe, clear refusals, and `vllm serve`.
+every output from vLLM's own kernel, blocks really returned to vLLM's pool, two tensor-parallel ranks equal to one,
+stock behaviour without a recipe, clear refusals, the CUDA classes as far as a CPU checks them, and `vllm serve`.
 
 Marked `vllm` and left out of the default run (pytest.ini's addopts); `.ci/run` runs them after the suite:
 `.venv/bin/python -m pytest -m vllm`. The vLLM environment (.venv-vllm) is built on first use by
