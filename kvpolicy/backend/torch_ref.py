@@ -9,6 +9,7 @@ statistics skip all of this and run `scaled_dot_product_attention`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -47,33 +48,29 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
             return AttentionResult(attend_sdpa(query, call.keys, call.values, call.valid[:, :, None], call.scaling),
                                    None)
         return AttentionResult(attend_plain(query, call), None)
+    return AttentionResult(*_attend_with_stats(query, call, one_query))
+
+
+def _attend_with_stats(query: torch.Tensor, call: AttentionCall, one_query: bool
+                       ) -> tuple[torch.Tensor, AttentionStats]:
+    """Output and statistics of a call that asks for some (``query`` prepared): a decode step's few ops, or the
+    chunked, masked path."""
     if one_query and call.needs <= DECODE_STATS:
         valid = None if call.causal_only else call.valid
-        return AttentionResult(*_decode_step(query, call.keys, call.values, call.scaling, call.needs,
-                                             call.last_rows_window, valid))
+        return _decode_step(query, call.keys, call.values, call.scaling, call.needs, call.last_rows_window, valid)
     near_for = call.near_mask if "near_colsum_heads" in call.needs else None
-    out, stats = attend_tracking(
+    return attend_tracking(
         query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
         call.query_valid, call.past_slots, call.last_rows_window, near_for,
     )
-    return AttentionResult(out, stats)
 
 
 def score_pass(query: torch.Tensor, call: AttentionCall) -> AttentionStats:
-    """The statistics ``call.needs`` of `attend`, without its output: for an engine whose own kernel computes the
-    output. The keys are read as `attend` reads them; ``call.values`` may be empty (no value matmul then)."""
+    """The statistics ``call.needs`` (not empty) of `attend`, without its output: for an engine whose own kernel
+    computes the output. The same path as `attend`'s, with no value columns (no value matmul)."""
     query = call.prepare_query(query)
-    if query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None \
-            and call.needs <= DECODE_STATS:
-        valid = None if call.causal_only else call.valid
-        return decode_stats(_decode_probs(query, call.keys, call.scaling, valid), valid, call.needs,
-                            call.last_rows_window)
-    near_for = call.near_mask if "near_colsum_heads" in call.needs else None
-    _, stats = attend_tracking(
-        query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
-        call.query_valid, call.past_slots, call.last_rows_window, near_for,
-    )
-    return stats
+    one_query = query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
+    return _attend_with_stats(query, replace(call, values=call.values[..., :0]), one_query)[1]
 
 
 def attend_plain(query: torch.Tensor, call: AttentionCall) -> torch.Tensor:
@@ -301,9 +298,9 @@ def _decode_step(
 ) -> tuple[torch.Tensor, AttentionStats]:
     """One query per row over the cache (``valid`` [B, Hkv, T]: the slots holding a token; None: all): the few
     ops a decode step needs, the statistics of `DECODE_STATS` included."""
-    batch, q_heads, _, dim = query.shape
+    batch, q_heads = query.shape[:2]
     probs = _decode_probs(query, keys, scaling, valid)
-    out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, dim).to(query.dtype)
+    out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, values.shape[-1]).to(query.dtype)
     return out, decode_stats(probs, valid, needs, last_rows)
 
 

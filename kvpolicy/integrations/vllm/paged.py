@@ -77,10 +77,15 @@ class PagedLayerCache:
 
     def write_metadata(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """The positions of new tokens at ``slots`` [N]; their policy state starts empty."""
+        count, heads = slots.shape[0], self.positions.shape[1]
         block, offset = slots // self.block_size, slots % self.block_size
-        self.positions[block, :, offset] = positions.to(torch.int32)[:, None]
+        # each (token, KV head) as one row of [blocks * Hkv * bs]: one index_copy_ per tensor (indexing
+        # [block, :, offset] takes torch's slow path; it cost ~0.4 ms a layer at 9 requests)
+        head = torch.arange(heads, device=slots.device)
+        rows = ((block[:, None] * heads + head) * self.block_size + offset[:, None]).reshape(-1)  # [N * Hkv]
+        self.positions.view(-1).index_copy_(0, rows, positions.to(torch.int32)[:, None].expand(count, heads).reshape(-1))
         for tensor in self.state.values():
-            tensor[block, :, offset] = 0
+            tensor.view(-1).index_fill_(0, rows, 0)  # a new token starts with no history
 
 
 @dataclass
@@ -132,12 +137,12 @@ class CompactRows:
         length go back as they were gathered)."""
         rows, heads = values.shape[:2]
         count = self.blocks.shape[1]
-        full = self.gather(tensor) if self.width == count * self.block_size else None
-        if full is None:  # pad to whole blocks with what the blocks hold
+        full = values
+        if self.width < count * self.block_size:  # pad to whole blocks with what the blocks hold (a fresh copy)
             full = self.gather_blocks(tensor).transpose(1, 2).reshape(rows, heads, count * self.block_size,
-                                                                      *tensor.shape[3:]).clone()
-        full[:, :, : self.width] = values
-        blocks = full.view(rows, heads, count, self.block_size, *tensor.shape[3:]).transpose(1, 2)
+                                                                      *tensor.shape[3:])
+            full[:, :, : self.width] = values
+        blocks = full.reshape(rows, heads, count, self.block_size, *tensor.shape[3:]).transpose(1, 2)
         tensor.index_copy_(0, self.blocks.reshape(-1).to(tensor.device),
                            blocks.reshape(rows * count, heads, self.block_size, *tensor.shape[3:]).to(tensor.dtype))
 
