@@ -20,6 +20,7 @@ from kvpolicy.backend.dispatch import attend
 from kvpolicy.cache.layer import PolicyLayer
 from kvpolicy.cache.policy_group import LayerPolicies, make_policies
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.integrations.vllm.engine import rank_heads
 from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
 from kvpolicy.integrations.vllm.schedule import RequestSchedule, peak_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
@@ -376,6 +377,21 @@ def test_settings_read_the_users_entry():
     ]:
         with pytest.raises(KVPolicyError, match=words):
             read_settings(bad)
+
+
+def test_each_tensor_parallel_rank_runs_the_policies_of_its_own_heads():
+    # vLLM's split: a run of heads per rank, or, with fewer heads than ranks, one head held by neighbouring ranks
+    assert [rank_heads(4, 2, r) for r in range(2)] == [range(0, 2), range(2, 4)]
+    assert [rank_heads(2, 4, r) for r in range(4)] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    spec = {"kvpolicy": 1, "name": "apart", "policy": "h2o", "budget": {"ratio": 0.2},
+            "heads": [{"heads": [1], "policy": "streaming"}]}
+    whole = paged_plan(Settings(recipe=spec), 2, 2, BLOCK)
+    ranks = [paged_plan(Settings(recipe=spec), 2, 2, BLOCK, heads=rank_heads(2, 2, r)) for r in range(2)]
+    assert whole.layers[0].policies.names == ["h2o", "streaming"]
+    assert [plan.layers[0].policies.names for plan in ranks] == [["h2o"], ["streaming"]]
+    assert all(plan.rules == whole.rules and plan.slack == whole.slack for plan in ranks)  # one schedule for all
+    with pytest.raises(ValueError, match="a run of the model's 2 KV heads"):
+        paged_plan(Settings(recipe=spec), 2, 2, BLOCK, heads=range(1, 3))
 
 
 def test_paged_plan_of_the_builtin_recipes():
