@@ -67,6 +67,11 @@ def prompts(smollm2_dir) -> list[list[int]]:
     return [ids[:PROMPT_LENGTHS[0]], ids[5000:5000 + PROMPT_LENGTHS[1]]]
 
 
+#: H2O with PyramidKV's budget schedule: every layer its own budget, so its own eviction steps in vLLM
+H2O_PYRAMID = {"kvpolicy": 1, "name": "h2o-pyramid", "policy": "h2o", "params": {"recent_ratio": 0.5},
+               "budget": {"ratio": 0.2, "schedule": "pyramid", "beta": 20}}
+
+
 def engine_job(model: Path, config, prompts, max_tokens: int, **engine) -> dict:
     return {"model": str(model), "config": config, "prompts": prompts, "max_tokens": max_tokens, "engine": engine}
 
@@ -86,6 +91,8 @@ def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, di
         "h2o during prefill": engine_job(smollm2_dir, {"recipe": str(ROOT / "recipes" / "h2o.yaml"),
                                                        "evict_during_prefill": True}, prompts, NEW_TOKENS,
                                          max_num_batched_tokens=CHUNK),
+        # a budget per layer (one eviction schedule each): H2O's stored decode queries are read per rule
+        "h2o pyramid": engine_job(smollm2_dir, {"recipe": H2O_PYRAMID}, prompts, NEW_TOKENS),
         "misspelt": engine_job(smollm2_dir, {"recipe": "h2oo"}, prompts[:1], 4),
         "adakv": engine_job(smollm2_dir, {"recipe": "adakv"}, prompts[:1], 4),
         "prefix caching": engine_job(smollm2_dir, {"recipe": "h2o"}, prompts[:1], 4, enable_prefix_caching=True),
@@ -149,18 +156,19 @@ def reference_model():
     return kvpolicy.load_model("smollm2")[0]
 
 
-def attached_with_vllm_slack(model, recipe_name: str):
+def attached_with_vllm_slack(model, recipe_name: str | dict):
     """A kvpolicy session of the recipe with the slack the vLLM integration uses (a block's worth)."""
+    import dataclasses
+
     import kvpolicy
     from kvpolicy.recipe import load_recipe, with_budget
-    from kvpolicy.recipe.budget import Budget
 
     recipe = load_recipe(recipe_name)
-    recipe = with_budget(recipe, Budget(tokens=recipe.budget.tokens, ratio=recipe.budget.ratio, slack=SLACK))
+    recipe = with_budget(recipe, dataclasses.replace(recipe.budget, slack=SLACK))  # its schedule kept
     return kvpolicy.attach(model, recipe)
 
 
-def reference(model, recipe_name: str, prompt: list[int], new_tokens: int) -> list[int]:
+def reference(model, recipe_name: str | dict, prompt: list[int], new_tokens: int) -> list[int]:
     """kvpolicy's transformers path, greedy, with the slack the vLLM integration uses (a block's worth)."""
     session = attached_with_vllm_slack(model, recipe_name)
     try:
@@ -221,13 +229,13 @@ def test_eviction_off_is_stock_vllm(results):
     assert results["full"]["manager"] == "FullAttentionManager"
 
 
-@pytest.mark.parametrize("name", ["streaming", "h2o"])
+@pytest.mark.parametrize("name", ["streaming", "h2o", "h2o pyramid"])
 def test_greedy_output_equals_kvpolicy_transformers_path(results, prompts, reference_model, name):
     got = results[name]
     assert "error" not in got, got.get("error")
     assert got["manager"] == "KVPolicyManager"
     for index, prompt in enumerate(prompts):
-        expected = reference(reference_model, name, prompt, NEW_TOKENS)
+        expected = reference(reference_model, H2O_PYRAMID if name == "h2o pyramid" else name, prompt, NEW_TOKENS)
         assert got["tokens"][index] == expected, f"{name}, prompt {index} ({len(prompt)} tokens)"
     # and the eviction changed the text: the comparison is not between two full caches
     assert got["tokens"] != results["stock"]["tokens"]

@@ -20,6 +20,7 @@ from kvpolicy.backend.dispatch import attend
 from kvpolicy.cache.layer import PolicyLayer
 from kvpolicy.cache.policy_group import LayerPolicies, make_policies
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.integrations.vllm.deferred import QueryWindows, stored_observation
 from kvpolicy.integrations.vllm.engine import rank_heads
 from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
 from kvpolicy.integrations.vllm.schedule import RequestSchedule, peak_blocks
@@ -96,10 +97,11 @@ class PagedRequest:
 
 
 def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dtype = torch.float32,
-             backend: str = "torch"):
+             backend: str = "torch", deferred: bool = False):
     """``steps``: tokens per request per step (0: the request sits the step out). Returns the largest difference
     between the two sides' attention outputs over every step (the paged cache and queries in ``dtype``, as vLLM
-    serves them; the dense reference in fp32)."""
+    serves them; the dense reference in fp32). ``deferred``: the paged side stores decode queries and observes them
+    when the builder's `QueryWindows` says (before an eviction, or a full window), as deferring layers do."""
     torch.manual_seed(seed)
     requests = len(steps[0])
     prompts = [steps[0][r] for r in range(requests)]
@@ -112,6 +114,8 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
     cache = PagedLayerCache.over(*cpu_cache_views(kv), layer.policies)
     pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
     paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
+    windows = QueryWindows(1, window=5) if deferred else None
+    assert not deferred or policies.defers
     worst = 0.0
     for counts in steps:
         active = [r for r in range(requests) if counts[r]]
@@ -127,6 +131,12 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
             befores[r] = request.rows(request.done, request.last_blocks)  # as the worker remembers them
             if request.worker_view.start_step(request.done, prefilling=request.done < request.prompt)[0]:
                 evicting.append(r)
+        stored = None
+        if windows is not None:
+            stored = windows.plan(0, [(r, paged[r].done, paged[r].done + counts[r], r in evicting) for r in active])
+            before = stored_observation([(befores[active[i]], flush) for i, flush in stored.before], BLOCK, "cpu")
+            if before is not None:
+                policies.observe(cache, before[0], cache.stored_queries(), *before[1:], 0.3)
         if evicting:
             rows = CompactRows.of([befores[r] for r in evicting], BLOCK)
             policies.evict(cache, rows, torch.tensor([paged[r].worker_view.states[0].budget for r in evicting]),
@@ -139,8 +149,17 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
         starts = dict(zip(active, torch.tensor([0] + [counts[r] for r in active]).cumsum(0).tolist(), strict=False))
         outputs = {r: engine_kernel(cache, *paged[r].rows(paged[r].done + counts[r]),
                                     flat_query[starts[r]:starts[r] + counts[r]], 0.3) for r in active}
-        # the statistics as the worker asks for them: the decode steps in one call, each prompt chunk alone
+        # the statistics as the worker asks for them: the decode steps in one call (or stored), each prompt chunk alone
         decoding = [r for r in active if counts[r] == 1]
+        if stored is not None:
+            if stored.stores:
+                cache.store_queries(flat_query[[starts[active[i]] for i, _ in stored.stores]],
+                                    torch.tensor([entry for _, entry in stored.stores]), windows.capacity * 5)
+            after = stored_observation([(paged[active[i]].rows(paged[active[i]].done + 1), flush)
+                                        for i, flush in stored.after], BLOCK, "cpu")
+            if after is not None:
+                policies.observe(cache, after[0], cache.stored_queries(), *after[1:], 0.3)
+            decoding = []
         for group in ([decoding] if decoding else []) + [[r] for r in active if counts[r] > 1]:
             width = max(counts[r] for r in group)
             index = torch.full((len(group), width), -1)
@@ -203,6 +222,56 @@ def test_the_triton_score_pass_reads_the_blocks_in_place_as_the_torch_path_does(
     steps = [[9, 0], [7, 13], *DECODE[:14]]
     assert run_both(recipe(policy, {"tokens": 10}, slack=3, params=params), steps, backend="triton") < 1e-5
     assert calls["paged_column_sums"] >= 14 and calls["move_slots"] >= 3
+
+
+@pytest.mark.parametrize("policy,params,budget", [
+    ("h2o", {"recent_ratio": 0.3}, {"tokens": 10}), ("roco", {}, {"tokens": 10}),
+    ("h2o", {"accumulate": "mean"}, {"tokens": 12}),
+])
+def test_decode_statistics_stored_and_read_before_each_eviction_keep_what_each_step_would(policy, params, budget):
+    """Additive policies' layers store each decode query and read them in one pass right before the request evicts,
+    or when 5 are stored (`QueryWindows`): the same evictions as observing every step, so the same outputs as the
+    dense layer's. Three requests: prompts of different lengths (one in two chunks), one sitting steps out, and
+    slack 7 (two windows fill between evictions)."""
+    steps = [[9, 0, 5], [7, 13, 1], *[[1, 1, 1]] * 12, *[[1, 0, 1]] * 6, *[[1, 1, 1]] * 30]
+    assert run_both(recipe(policy, budget, slack=7, params=params), steps, deferred=True) < 1e-5
+
+
+@pytest.mark.parametrize("policy,deferred", [("h2o", True), ("tova", False)])
+def test_a_batch_scored_in_parts_scores_as_one(policy, deferred, monkeypatch):
+    """A batch whose keys and logits would not fit `_PART_ELEMENTS` is scored a few rows at a time (here: one)."""
+    import kvpolicy.integrations.vllm.paged as paged_module
+
+    monkeypatch.setattr(paged_module, "_PART_ELEMENTS", 1)
+    steps = [[9, 0, 5], [7, 13, 1], *[[1, 1, 1]] * 24]
+    assert run_both(recipe(policy, {"tokens": 10}, slack=7), steps, deferred=deferred) < 1e-5
+
+
+def test_only_additive_policies_defer():
+    def layer_policies(policy: str, params: dict | None = None):
+        plan = paged_plan(Settings(recipe=recipe(policy, {"tokens": 10}, slack=3, params=params)), 1, HKV, BLOCK)
+        return PagedPolicies(plan.layers[0].policies)
+
+    assert layer_policies("h2o").defers and layer_policies("roco").defers
+    assert not layer_policies("h2o", {"decay": 0.9}).defers  # a decay weighs a chunk's queries differently
+    assert not layer_policies("tova").defers and not layer_policies("scissorhands").defers
+    assert not layer_policies("streaming").defers  # no statistics at all
+
+
+def test_query_windows_forget_ended_requests_and_reuse_their_rows():
+    windows = QueryWindows(2, window=3)
+    assert windows.plan(0, [(10, 5, 6, False), (20, 8, 9, False)]).stores == [(0, 0), (1, 3)]
+    windows.plan(1, [(10, 5, 6, False), (20, 8, 9, False)])
+    plan = windows.plan(0, [(10, 6, 7, True), (20, 9, 10, False)])  # 10 evicts: its stored query is read first
+    assert [(i, f.entries, f.end) for i, f in plan.before] == [(0, [0], 6)] and plan.stores == [(0, 0), (1, 4)]
+    plan = windows.plan(0, [(20, 10, 11, False)])  # 20's window of 3 fills: read after the step
+    assert [(i, f.entries, f.end) for i, f in plan.after] == [(0, [3, 4, 5], 11)]
+    assert windows.pending(20, 1) == 1  # rule 1 counts apart
+    windows.forget_ended({20}, held={20, 21, 10})  # request 10's first block is held by another: 10 ended
+    assert windows.pending(10, 0) == 0 and windows.free == [0]
+    windows.forget_ended({20}, held={20, 21})  # not seen, blocks not reused: it may merely sit a step out
+    assert windows.plan(0, [(30, 0, 1, False)]).stores == [(0, 0)]  # a new request takes the freed row
+    assert windows.capacity == 2
 
 
 @pytest.mark.parametrize("slack", [0, 1, BLOCK - 1, 2 * BLOCK + 1])

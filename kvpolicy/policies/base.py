@@ -95,6 +95,11 @@ class Policy:
     #: True if ``score`` may give ``-inf`` to valid tokens (drop now, whatever the budget); lets the
     #: cache skip that check on the decode fast path for every other policy.
     drops_early: ClassVar[bool] = False
+    #: True if observing several queries in one call leaves the same state as observing them one by one, and
+    #: ``score`` is the only reader of that state (sums over queries: H2O, RoCo). A paged engine may then store a
+    #: request's decode queries and observe them together right before it evicts (one pass over the keys, not one
+    #: per step).
+    additive: bool = False
     #: Rows W of ``last_rows`` the policy needs (only read when "last_rows" in needs).
     last_rows_window: int = 0
     #: True if the policy splits a batch row's budget among its KV heads itself (``allocate``, e.g.

@@ -42,6 +42,10 @@ class H2O(Policy):
     needs = frozenset({"colsum"})
     state = {"acc": torch.float32}
 
+    @property
+    def additive(self) -> bool:  # a decay weighs a chunk's queries alike: additive only without one
+        return self.params.decay == 1.0
+
     def observe(self, state: dict[str, torch.Tensor], stats: AttentionStats) -> None:
         if self.params.decay < 1.0:
             state["acc"].mul_(torch.pow(self.params.decay, stats.queries.float())[:, None, None])

@@ -52,6 +52,7 @@ class RoCo(Policy):
     Params = RoCoParams
     needs = frozenset({"colsum", "colsum_sq"})
     state = {"sum": torch.float32, "sq": torch.float32}
+    additive = True
 
     def observe(self, state: dict[str, torch.Tensor], stats: AttentionStats) -> None:
         state["sum"] += stats.colsum

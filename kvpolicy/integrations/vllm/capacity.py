@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--load-format", default="auto",
                         help="vLLM's load_format: `dummy` gives random weights of the model's shape (a folder with its "
                              "config and tokenizer only, e.g. on a machine without the weights)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="vLLM's compiled mode, as it serves by default (default here: eager, enforce_eager; "
+                             "compiling takes ~100 s per engine on a 2-core CPU)")
     parser.add_argument("--text", type=Path, help="the prompts' text (default: CPython's pydoc_data.topics)")
     parser.add_argument("--kernel-repeats", type=int, default=20)
     parser.add_argument("--out", type=Path, default=Path("runs") / f"vllm-capacity-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -123,7 +126,7 @@ def bind_cores(ranks: int) -> None:
 def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, blocks: int) -> dict:
     from vllm import LLM, SamplingParams
 
-    engine_args = {"dtype": args.dtype, "enforce_eager": True, "enable_prefix_caching": False,
+    engine_args = {"dtype": args.dtype, "enforce_eager": not args.compiled, "enable_prefix_caching": False,
                    "block_size": args.block_size,
                    "max_model_len": max(map(len, prompts)) + args.new_tokens + args.block_size,
                    "max_num_seqs": len(prompts), "disable_log_stats": True,
@@ -188,7 +191,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     return {
         "config": recipe, "requests": len(prompts), "kv_blocks": pool.num_gpu_blocks - 1,  # less the null block
         "block_size": args.block_size, "prefill_chunk": args.prefill_chunk or None,
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "compiled": args.compiled,
         "evict_during_prefill": args.evict_during_prefill and recipe != "full",
         "peak_running": max(step["running"] for step in records),
         "peak_blocks": max(step["blocks"] for step in records),
@@ -213,13 +216,16 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
 def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
     """Milliseconds per layer call of a decode step, every request at ``context`` tokens (SmolLM2's heads: 9 query,
     3 KV, 64): vLLM's CPU kernel, which computes the output with or without a recipe, and kvpolicy's part beside it
-    for H2O, the score pass and the state it updates (``streaming`` and ``window`` have none)."""
+    for the policies that read statistics: a score pass at every step (what TOVA pays), or, for H2O (additive:
+    `deferred`), each step's query stored and one pass over `deferred.WINDOW` of them per request, per step
+    (``streaming`` and ``window`` have neither)."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     from ...cache.policy_group import LayerPolicies, PolicyGroup
     from ...policies.h2o import H2O
+    from .deferred import WINDOW
     from .paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
 
     torch.manual_seed(0)
@@ -256,18 +262,28 @@ def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
     rows = CompactRows.of([(table[r].tolist(), context + 1) for r in range(requests)], bs)
     index, positions = torch.arange(requests)[:, None], torch.full((requests, 1), context, dtype=torch.long)
     paged = PagedPolicies(policies)
+    # the stored queries of every request's last WINDOW tokens, read in one pass: its cost over WINDOW steps
+    stored = torch.randn(requests * WINDOW, q_heads, dim, dtype=dtype)
+    entries = torch.arange(requests * WINDOW).view(requests, WINDOW)
+    recent = torch.arange(context + 1 - WINDOW, context + 1).expand(requests, -1)
     timings = {"vLLM kernel": native_call,
-               "kvpolicy H2O score pass": lambda: paged.observe(cache, rows, query, index, positions, 0.125)}
-    result = {"context": context, "requests": requests}
-    for label, call in timings.items():
+               "score pass": lambda: paged.observe(cache, rows, query, index, positions, 0.125),
+               "store": lambda: cache.store_queries(query, entries[:, 0], requests * WINDOW),
+               "stored pass": lambda: paged.observe(cache, rows, stored, entries, recent, 0.125)}
+    ms = {label: statistics.median(_timed(call, args.kernel_repeats)) * 1e3 for label, call in timings.items()}
+    return {"context": context, "requests": requests, "vLLM kernel": ms["vLLM kernel"],
+            "kvpolicy score pass every step": ms["score pass"],
+            f"kvpolicy H2O per step (query stored, one pass per {WINDOW})": ms["store"] + ms["stored pass"] / WINDOW}
+
+
+def _timed(call, repeats: int) -> list[float]:
+    call()
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
         call()
-        times = []
-        for _ in range(args.kernel_repeats):
-            begin = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - begin)
-        result[label] = statistics.median(times) * 1e3
-    return result
+        times.append(time.perf_counter() - begin)
+    return times
 
 
 def plot(rows: list[dict], path: Path) -> bool:

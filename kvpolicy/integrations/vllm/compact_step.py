@@ -24,10 +24,25 @@ from typing import Any
 import torch
 
 from ...errors import KVPolicyError
+from .deferred import WINDOW, QueryWindows, stored_observation
 from .engine import engine_from_config
 from .paged import CompactRows, PagedLayerCache, PagedPolicies
 from .schedule import RequestSchedule
 from .settings import PagedLayer
+
+Observation = tuple[CompactRows, torch.Tensor, torch.Tensor]  # rows, query index [R, q], query positions [R, q]
+
+
+@dataclass
+class StoredQueries:
+    """The decode queries a rule's layers store instead of observing them at once (`deferred`), and the passes that
+    read stored ones: before the step's eviction (over the layout as it was), and where a window fills (as it is)."""
+
+    step_rows: torch.Tensor  # [n] the step's decode tokens (rows of the step's query tensor)
+    entries: torch.Tensor  # [n] where each goes in the layer's query buffer
+    buffer_rows: int  # rows the buffer must hold (`QueryWindows.capacity`)
+    before: Observation | None  # query index into the buffer
+    after: Observation | None
 
 
 @dataclass
@@ -37,7 +52,9 @@ class RuleStep:
     kernel: Any  # the backend's own metadata over the compact layout: its kernel computes the outputs
     slots: torch.Tensor  # [N] where each new token goes in the compact layout
     evict: tuple[CompactRows, torch.Tensor, torch.Tensor] | None  # rows as they were, budget, tokens seen
-    observe: list[tuple[CompactRows, torch.Tensor, torch.Tensor]]  # rows, query index, query positions
+    decode: Observation | None  # the step's one-token requests, observed together
+    prompts: list[Observation]  # each longer chunk, observed alone
+    stored: StoredQueries | None  # for layers whose policies batch decode statistics (`PagedPolicies.defers`)
 
 
 @dataclass
@@ -49,6 +66,7 @@ class StepPlan:
 @dataclass
 class _Request:
     row: int
+    key: int  # the physical id of its first block: names the request while it runs
     start: int
     end: int
     schedule: RequestSchedule
@@ -100,6 +118,9 @@ class CompactBuilder:
         # and its block table row at its last step: the scheduler frees the blocks a step's eviction empties at the
         # start of that step, so the compaction finds them there, not in the step's table
         self.last_tables: dict[int, list[int]] = {}
+        # the decode queries stored for the layers whose policies batch their statistics (`deferred`)
+        plan = self.engine.plan if self.engine.active else None
+        self.windows = QueryWindows(len(plan.rules)) if plan is not None and plan.defers_statistics else None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build) if self.engine.active else None
@@ -135,6 +156,8 @@ class CompactBuilder:
                                         "this integration needs every step of a request on one worker")
                 schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size,
                                                                          plan.evict_during_prefill)
+                if self.windows is not None:  # a new request, or one recomputed: nothing stored counts
+                    self.windows.forget(first_block)
             row_table = table[row].tolist()
             last_table = row_table if start == 0 else self.last_tables.get(first_block, row_table)
             before = [_physical(last_table, schedule.compact(rule, start)) for rule in range(len(plan.rules))]
@@ -142,13 +165,16 @@ class CompactBuilder:
                                            prompt_tokens[row] if prompt_tokens is not None else None)
             after = [schedule.compact(rule, end) for rule in range(len(plan.rules))]
             self.last_tables[first_block] = row_table
-            requests.append(_Request(row, start, end, schedule, row_table, before, after, decision))
+            requests.append(_Request(row, first_block, start, end, schedule, row_table, before, after, decision))
+        if self.windows is not None:
+            self.windows.forget_ended({r.key for r in requests}, {block for r in requests for block in r.table})
         device = common.block_table_tensor.device
         positions = torch.cat([torch.arange(r.start, r.end) for r in requests]).to(device)
         # the statistics: decode steps together (one query each), each prompt chunk alone (long, of any length)
         decoding = [r for r in requests if r.end - r.start == 1]
-        groups = ([decoding] if decoding else []) + [[r] for r in requests if r.end - r.start > 1]
-        queries = [_queries(group, starts, device) for group in groups] if plan.needs_statistics else []
+        prompts = [r for r in requests if r.end - r.start > 1]
+        decode_queries = _queries(decoding, starts, device) if plan.needs_statistics and decoding else None
+        prompt_queries = [_queries([r], starts, device) for r in prompts] if plan.needs_statistics else []
         rules = []
         for rule in range(len(plan.rules)):
             evicting = [r for r in requests if r.decision[rule]]
@@ -158,13 +184,28 @@ class CompactBuilder:
                 budget = torch.tensor([r.schedule.states[rule].budget for r in evicting], device=device)
                 evict = (rows, budget, torch.tensor([r.start for r in evicting], device=device))
             layouts = {r.row: _physical(r.table, r.after[rule]) for r in requests}
-            observe = [(CompactRows.of([layouts[r.row] for r in group], block_size, device), *query)
-                       for group, query in zip(groups, queries, strict=False)]
+            decode = None
+            if decode_queries is not None:
+                decode = (CompactRows.of([layouts[r.row] for r in decoding], block_size, device), *decode_queries)
+            observe_prompts = [(CompactRows.of([layouts[r.row]], block_size, device), *query)
+                               for r, query in zip(prompts, prompt_queries, strict=False)]
+            stored = self._stored(rule, requests, layouts, starts, device) if self.windows is not None else None
             slots = torch.cat([_slots(layouts[r.row][0], r.after[rule][2], r.start, r.end, block_size)
                                for r in requests]).to(device)
             kernel = super().build(common_prefix_len, _compact(common, requests, layouts, slots), fast_build)
-            rules.append(RuleStep(kernel, slots, evict, observe))
+            rules.append(RuleStep(kernel, slots, evict, decode, observe_prompts, stored))
         return StepPlan(rules, positions)
+
+    def _stored(self, rule: int, requests: list[_Request], layouts: dict, starts: list[int], device: torch.device
+                ) -> StoredQueries:
+        """Which decode queries a rule's deferring layers store this step, and which stored ones they read."""
+        block_size = self.kv_cache_spec.block_size
+        plan = self.windows.plan(rule, [(r.key, r.start, r.end, r.decision[rule]) for r in requests])
+        return StoredQueries(
+            torch.tensor([starts[requests[i].row] for i, _ in plan.stores], dtype=torch.long, device=device),
+            torch.tensor([entry for _, entry in plan.stores], dtype=torch.long, device=device), self.windows.capacity,
+            stored_observation([(requests[i].before[rule], flush) for i, flush in plan.before], block_size, device),
+            stored_observation([(layouts[requests[i].row], flush) for i, flush in plan.after], block_size, device))
 
     @staticmethod
     def _prompt_tokens(rows: int) -> list[int] | None:
@@ -252,14 +293,24 @@ class CompactImpl:
                                          PagedLayerCache.over(*self.cache_views(layer, kv_cache), paged_layer.policies))
         cache = known[1]
         todo = step.rules[paged_layer.rule]
+        stored = todo.stored if policies.defers else None
+        if stored is not None and stored.before is not None:  # the queries stored since the last eviction
+            policies.observe(cache, stored.before[0], cache.stored_queries(), *stored.before[1:], self.scale)
         if todo.evict is not None:
             policies.evict(cache, *todo.evict)
         count = attn_metadata.num_actual_tokens
         # the step's tokens after this layer's eviction made room for them, where the compact layout puts them
         super().do_kv_cache_update(layer, key[:count], value[:count], kv_cache, todo.slots)
         cache.write_metadata(todo.slots, step.positions)
+        if stored is not None and len(stored.entries):
+            cache.store_queries(query[stored.step_rows], stored.entries, stored.buffer_rows * WINDOW)
         super().forward(layer, query, key, value, kv_cache, todo.kernel, output, output_scale, output_block_scale)
-        for rows, query_index, query_positions in todo.observe:
+        if stored is not None:
+            if stored.after is not None:  # a window filled
+                policies.observe(cache, stored.after[0], cache.stored_queries(), *stored.after[1:], self.scale)
+        elif todo.decode is not None:
+            policies.observe(cache, todo.decode[0], query, *todo.decode[1:], self.scale)
+        for rows, query_index, query_positions in todo.prompts:
             policies.observe(cache, rows, query, query_index, query_positions, self.scale)
         return output
 

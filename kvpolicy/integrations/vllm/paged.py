@@ -19,6 +19,7 @@ KV head, the token's position and the policies' state.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,34 @@ def cpu_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return keys, values
 
 
+def _key_rows(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A layer's keys ``[blocks, Hkv, bs, D]`` as one row per (block, KV head): ``[blocks * Hkv, bs * D]``, and
+    whether each row holds them transposed (``[D, bs]``, vLLM's CPU cache) or not (``[bs, D]``). Rows of contiguous
+    elements make the copy of a batch's blocks a plain one (an index_select over a strided 4-d view took torch's
+    element-wise path: ~5x slower at 12 requests x 330 tokens)."""
+    blocks, heads, block_size, dim = keys.shape
+    for transposed, inner in ((True, keys.transpose(-1, -2)), (False, keys)):
+        if inner.stride(3) == 1 and inner.stride(2) == inner.shape[3] and inner.stride(0) == heads * inner.stride(1):
+            rows = inner.as_strided((blocks * heads, block_size * dim), (inner.stride(1), 1), inner.storage_offset())
+            return rows, transposed
+    return keys.reshape(blocks * heads, block_size * dim), False  # any other layout: one copy of the whole layer
+
+
+_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _workspace(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A reused buffer for a step's copy of the keys (the same for every layer: they run one after another). A fresh
+    allocation of megabytes each layer came from the OS page by page: on this project's CPU, 1-1.5 ms of page faults
+    for a copy that takes 0.1 ms."""
+    key = (like.device, like.dtype)
+    count = math.prod(shape)
+    buffer = _WORKSPACES.get(key)
+    if buffer is None or buffer.numel() < count:
+        buffer = _WORKSPACES[key] = torch.empty(count, dtype=like.dtype, device=like.device)
+    return buffer[:count].view(shape)
+
+
 @dataclass
 class PagedLayerCache:
     """One layer's paged storage: the engine's K/V blocks and kvpolicy's per-slot metadata beside them."""
@@ -50,6 +79,8 @@ class PagedLayerCache:
     values: torch.Tensor  # [blocks, Hkv, bs, D], any strides
     positions: torch.Tensor  # [blocks, Hkv, bs] int32: the token a slot holds (stale past a request's length)
     state: dict[str, torch.Tensor]  # name -> [blocks, Hkv, bs]
+    # the decode queries stored until a pass reads them (`deferred`): [entries, Hq, D], grown as requests arrive
+    queries: torch.Tensor | None = None
 
     @classmethod
     def over(cls, keys: torch.Tensor, values: torch.Tensor, policies: LayerPolicies) -> PagedLayerCache:
@@ -75,6 +106,20 @@ class PagedLayerCache:
         self.values[block, :, offset] = values.to(self.values.dtype)
         self.write_metadata(slots, positions)
 
+    def store_queries(self, query: torch.Tensor, entries: torch.Tensor, capacity: int) -> None:
+        """Keep ``query`` [n, Hq, D] at ``entries`` [n] of the stored queries, which hold ``capacity`` entries."""
+        if self.queries is None or self.queries.shape[0] < capacity:
+            grown = query.new_zeros(capacity, *query.shape[1:])
+            if self.queries is not None:
+                grown[: self.queries.shape[0]] = self.queries
+            self.queries = grown
+        self.queries.index_copy_(0, entries, query.to(self.queries.dtype))
+
+    def stored_queries(self) -> torch.Tensor:
+        if self.queries is None:
+            raise RuntimeError("kvpolicy: a score pass over stored queries, but none were stored in this layer")
+        return self.queries
+
     def write_metadata(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
         """The positions of new tokens at ``slots`` [N]; their policy state starts empty."""
         count, heads = slots.shape[0], self.positions.shape[1]
@@ -92,12 +137,15 @@ class PagedLayerCache:
 class CompactRows:
     """A batch of requests as the engine's kernel reads them: each request's blocks in the order it reads them
     (``blocks`` [R, nblk], padded with block 0, vLLM's null block) and how many slots hold tokens (``lengths``
-    [R]). Slot ``i`` of a request is offset ``i % bs`` of its block ``i // bs``."""
+    [R]). Slot ``i`` of a request is offset ``i % bs`` of its block ``i // bs``.
+
+    The same rows serve every layer of a step: what indexes them (the valid slots, each slot's place in a per-slot
+    tensor, each block's row in a layer's keys) is made once, at the first layer that asks."""
 
     blocks: torch.Tensor  # [R, nblk] int64 physical block ids
     lengths: torch.Tensor  # [R] int64
     block_size: int
-    _valid: torch.Tensor | None = field(default=None, repr=False)
+    _made: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, rows: list[tuple[list[int], int]], block_size: int, device: torch.device | str = "cpu"
@@ -110,15 +158,39 @@ class CompactRows:
         lengths = torch.tensor([length for _, length in rows], dtype=torch.long)
         return cls(table.to(device), lengths.to(device), block_size)
 
+    def _once(self, key: tuple, make) -> torch.Tensor:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
     @functools.cached_property
     def width(self) -> int:
         return int(self.lengths.max())
 
     def valid(self) -> torch.Tensor:
-        """[R, 1, width] bool: the slots that hold tokens (the same for every KV head; made once for every layer)."""
-        if self._valid is None:
-            self._valid = (torch.arange(self.width, device=self.lengths.device) < self.lengths[:, None])[:, None]
-        return self._valid
+        """[R, 1, width] bool: the slots that hold tokens (the same for every KV head)."""
+        return self._once(("valid",), lambda: (torch.arange(self.width, device=self.lengths.device)
+                                               < self.lengths[:, None])[:, None])
+
+    def slot_index(self, heads: int) -> torch.Tensor:
+        """[R, Hkv, width] each slot's element in a contiguous per-slot tensor ``[blocks, Hkv, bs]``."""
+        def make() -> torch.Tensor:
+            slot = torch.arange(self.width, device=self.blocks.device)
+            block = self.blocks[:, slot // self.block_size]  # [R, width]
+            head = torch.arange(heads, device=self.blocks.device)[:, None]
+            return (block[:, None] * heads + head) * self.block_size + slot % self.block_size
+        return self._once(("slot_index", heads), make)
+
+    def key_rows(self, heads: int) -> torch.Tensor:
+        """[R, Hkv, nblk] each (block, KV head)'s row in a layer's cache seen as ``[blocks * Hkv, ...]``."""
+        return self._once(("key_rows", heads), lambda: self.blocks[:, None] * heads
+                          + torch.arange(heads, device=self.blocks.device)[:, None])
+
+    def part(self, lo: int, hi: int) -> CompactRows:
+        """Rows ``lo`` to ``hi`` alone."""
+        lengths = self.lengths[lo:hi]
+        count = -(-int(lengths.max()) // self.block_size)
+        return CompactRows(self.blocks[lo:hi, :count], lengths, self.block_size)
 
     def gather_blocks(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` [blocks, ...] at these rows' blocks: [R, nblk, ...] (one copy)."""
@@ -127,29 +199,43 @@ class CompactRows:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` [blocks, Hkv, bs, ...] at these rows' slots: [R, Hkv, width, ...]."""
+        if tensor.dim() == 3 and tensor.is_contiguous():  # per-slot metadata: one take
+            return tensor.view(-1)[self.slot_index(tensor.shape[1])]
         picked = self.gather_blocks(tensor)  # [R, nblk, Hkv, bs, ...]
         rows, count, heads = picked.shape[:3]
         picked = picked.transpose(1, 2).reshape(rows, heads, count * self.block_size, *tensor.shape[3:])
         return picked[:, :, : self.width]
 
     def scatter(self, tensor: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``values`` [R, Hkv, width, ...] back into these rows' slots of ``tensor`` (the slots past a row's
-        length go back as they were gathered)."""
-        rows, heads = values.shape[:2]
-        count = self.blocks.shape[1]
-        full = values
-        if self.width < count * self.block_size:  # pad to whole blocks with what the blocks hold (a fresh copy)
-            full = self.gather_blocks(tensor).transpose(1, 2).reshape(rows, heads, count * self.block_size,
-                                                                      *tensor.shape[3:])
-            full[:, :, : self.width] = values
-        blocks = full.reshape(rows, heads, count, self.block_size, *tensor.shape[3:]).transpose(1, 2)
-        tensor.index_copy_(0, self.blocks.reshape(-1).to(tensor.device),
-                           blocks.reshape(rows * count, heads, self.block_size, *tensor.shape[3:]).to(tensor.dtype))
+        """Write ``values`` [R, Hkv, width] back into these rows' slots of the contiguous per-slot ``tensor``
+        [blocks, Hkv, bs]. The slots past a row's length within ``width`` are written too: they must hold what
+        `gather` read from them (a slot no request holds, or one the next token overwrites)."""
+        if tensor.dim() != 3 or not tensor.is_contiguous():
+            raise ValueError("CompactRows.scatter writes contiguous per-slot tensors [blocks, Hkv, bs]")
+        index = self.slot_index(tensor.shape[1])
+        tensor.view(-1).index_copy_(0, index.reshape(-1), values.to(tensor.dtype).reshape(-1))
 
     def slot(self, row: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Physical (block, offset) of slot ``index`` of ``row`` (equal-shaped index tensors)."""
         return self.blocks[row, index // self.block_size], index % self.block_size
 
+
+#: the statistics a pass over several stored queries of a request gives as the sum of theirs, one by one
+ADDITIVE_STATS = frozenset({"colsum", "colsum_sq"})
+
+
+def defers_statistics(policies: LayerPolicies) -> bool:
+    """Whether a layer's decode queries may be stored and observed together later (`deferred`): every policy that
+    reads statistics reads only sums over queries (`Policy.additive`) of `ADDITIVE_STATS`."""
+    reading = [group.policy for group in policies.groups if group.policy.needs]
+    return bool(reading) and all(policy.additive and policy.needs <= ADDITIVE_STATS for policy in reading)
+
+
+#: at most this many queries per request take `PagedPolicies._few_query_scores` (stored decode queries); longer
+#: prompt chunks take torch_ref's chunked pass
+FEW_QUERIES = 64
+#: at most about this many elements of keys or logits at once in those passes (16 MiB in fp32)
+_PART_ELEMENTS = 1 << 22
 
 #: the statistics the Triton kernels compute from the blocks in place (`backend.triton_paged`), for a decode step
 IN_PLACE_STATS = frozenset({"colsum", "last_rows"})
@@ -165,6 +251,7 @@ class PagedPolicies:
 
     def __init__(self, policies: LayerPolicies, backend: str = "torch"):
         self.policies, self.backend = policies, backend
+        self.defers = defers_statistics(policies)
 
     def _state_of(self, group: PolicyGroup, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name: state[f"{group.prefix}{name}"] for name in group.policy.state}
@@ -210,10 +297,22 @@ class PagedPolicies:
             return
         heads = cache.positions.shape[1]
         decoding = query_index.shape[1] == 1 and bool((query_index >= 0).all())
+        few = decoding and needs <= torch_ref.DECODE_STATS or query_index.shape[1] <= FEW_QUERIES and needs <= ADDITIVE_STATS
+        if few and not (decoding and self.backend == "triton" and needs <= IN_PLACE_STATS):
+            # the torch passes hold every row's keys and logits at once: a batch too large for that goes in parts
+            per_row = rows.width * max(query.shape[1] * query_index.shape[1], heads * query.shape[-1])
+            part = max(1, _PART_ELEMENTS // per_row)
+            if len(rows.lengths) > part:
+                for lo in range(0, len(rows.lengths), part):
+                    hi = lo + part
+                    self.observe(cache, rows.part(lo, hi), query, query_index[lo:hi], query_positions[lo:hi], scaling)
+                return
         if decoding and self.backend == "triton" and needs <= IN_PLACE_STATS:
             stats = self._scores_in_place(cache, rows, query[query_index[:, 0]], scaling)
         elif decoding and needs <= torch_ref.DECODE_STATS:
             stats = self._decode_scores(cache, rows, query[query_index[:, 0]], scaling)
+        elif few:
+            stats = self._few_query_scores(cache, rows, query, query_index, scaling)
         else:
             valid = rows.valid().expand(-1, heads, -1)
             keys = rows.gather(cache.keys).float()
@@ -238,20 +337,57 @@ class PagedPolicies:
     def _decode_scores(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
                        ) -> AttentionStats:
         """One query per request (``query`` [R, Hq, D]): the logits block by block, one batched matmul over every
-        (request, block, KV head), from the keys where each block stores them (vLLM's CPU cache: transposed, so
-        the copy is a plain one), then a softmax over each request's slots."""
-        keys_t = rows.gather_blocks(cache.keys.transpose(-1, -2))  # [R, nblk, Hkv, D, bs]
-        requests, count, heads, dim, block_size = keys_t.shape
+        (request, KV head, block), from a copy of the blocks' keys as the cache stores them (vLLM's CPU cache:
+        transposed), then a softmax over each request's slots."""
+        heads, block_size, dim = cache.keys.shape[1], rows.block_size, query.shape[-1]
+        requests, count = rows.blocks.shape
         groups = query.shape[1] // heads
-        grouped = (query.reshape(requests, 1, heads, groups, dim).float() * scaling).expand(
-            requests, count, heads, groups, dim).reshape(-1, groups, dim)
-        logits = torch.bmm(grouped, keys_t.float().view(-1, dim, block_size)).view(requests, count, heads, groups,
-                                                                                    block_size)
-        logits = logits.permute(0, 2, 3, 1, 4).reshape(requests, heads, groups, count * block_size)[..., : rows.width]
+        grouped = (query.view(requests, heads, 1, groups, dim).float() * scaling).expand(
+            requests, heads, count, groups, dim).reshape(-1, groups, dim)
+        key_rows, transposed = _key_rows(cache.keys)
+        index = rows.key_rows(heads).reshape(-1)  # one row per (request, KV head, block)
+        picked = torch.index_select(key_rows, 0, index, out=_workspace(key_rows, (len(index), key_rows.shape[1])))
+        picked = picked.float()
+        keys = picked.view(-1, dim, block_size) if transposed else picked.view(-1, block_size, dim).transpose(1, 2)
+        logits = torch.bmm(grouped, keys).view(requests, heads, count, groups, block_size)
+        logits = logits.transpose(2, 3).reshape(requests, heads, groups, count * block_size)[..., : rows.width]
         valid = rows.valid()
-        logits.masked_fill_(~valid[:, :, None], -torch.inf)
-        return torch_ref.decode_stats(torch.softmax(logits, dim=-1), valid.expand(-1, heads, -1),
-                                      self.policies.needs, self.policies.last_rows_window)
+        probs = torch.softmax(logits.masked_fill_(~valid[:, :, None], -torch.inf), dim=-1)
+        return torch_ref.decode_stats(probs, valid.expand(-1, heads, -1), self.policies.needs,
+                                      self.policies.last_rows_window)
+
+    def _few_query_scores(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor,
+                          query_index: torch.Tensor, scaling: float) -> AttentionStats:
+        """The `ADDITIVE_STATS` of a few queries per request, each its request's token at the last slots (``query``
+        [N, Hq, D] rows ``query_index`` [R, q], right-aligned, -1: pad), as stored decode queries are: the keys of
+        each (request, KV head) copied once into one matrix, one matmul for all its queries, causal by slot."""
+        heads, block_size, dim = cache.keys.shape[1], rows.block_size, query.shape[-1]
+        (requests, count), width, queries = rows.blocks.shape, rows.width, query_index.shape[1]
+        groups = query.shape[1] // heads
+        real = query_index >= 0  # [R, q]
+        grouped = query[query_index.clamp(min=0)].view(requests, queries, heads, groups, dim)
+        grouped = grouped.permute(0, 2, 1, 3, 4).reshape(requests * heads, queries * groups, dim).float() * scaling
+        key_rows, transposed = _key_rows(cache.keys)
+        index = rows.key_rows(heads).reshape(-1)
+        picked = torch.index_select(key_rows, 0, index, out=_workspace(key_rows, (len(index), key_rows.shape[1])))
+        blocks = (picked.view(requests, heads, count, dim, block_size) if transposed
+                  else picked.view(requests, heads, count, block_size, dim).transpose(-1, -2))
+        keys = blocks.permute(0, 1, 3, 2, 4).reshape(requests * heads, dim, count * block_size)[..., :width]
+        logits = torch.bmm(grouped, keys.float()).view(requests, heads, queries, groups, width)
+        # query j sees the slots up to its own token's, len - q + j; a pad sees the request's slots and counts for
+        # nothing. Every hidden slot lies past the shortest request's len - q: only those columns are masked
+        lengths = rows.lengths.to(real.device)
+        own = torch.where(real, lengths[:, None] - queries + torch.arange(queries, device=real.device),
+                          lengths[:, None] - 1)
+        first = max(0, int(lengths.min()) - queries)
+        hidden = torch.arange(first, width, device=real.device) > own[..., None]  # [R, q, width - first]
+        logits[..., first:].masked_fill_(hidden[:, None, :, None], -torch.inf)
+        probs = torch.softmax(logits, dim=-1)
+        if not bool(real.all()):
+            probs.mul_(real[:, None, :, None, None])
+        colsum = probs.sum(dim=(2, 3)).div_(groups)
+        colsum_sq = probs.square().sum(dim=(2, 3)).div_(groups) if "colsum_sq" in self.policies.needs else None
+        return AttentionStats(queries=real.sum(dim=1), colsum=colsum, colsum_sq=colsum_sq)
 
     def _scores_in_place(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
                          ) -> AttentionStats:

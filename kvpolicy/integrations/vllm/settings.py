@@ -18,6 +18,7 @@ from ...recipe.plan import LayerPlan, Plan
 from ...recipe.schema import MAX_TOKENS
 from ...recipe.selectors import spans_text
 from ...registry import Registry, get_registry
+from .paged import defers_statistics
 
 CONFIG_KEY = "kvpolicy"
 SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill")
@@ -89,6 +90,11 @@ class PagedPlan:
     def needs_statistics(self) -> bool:
         """Whether any layer's policies read attention statistics (a score pass then runs beside the kernel)."""
         return any(layer.policies.needs for layer in self.layers)
+
+    @property
+    def defers_statistics(self) -> bool:
+        """Whether any layer stores its decode queries for a later pass (`deferred`, `paged.defers_statistics`)."""
+        return any(defers_statistics(layer.policies) for layer in self.layers)
 
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)
