@@ -371,6 +371,27 @@ print('checked')
     assert run.returncode == 0 and "checked" in run.stdout, run.stderr[-3000:]
 
 
+@pytest.mark.parametrize("entry,words", [
+    ({"recipe": "h2oo"}, "h2oo: no such recipe file, and not a built-in recipe"),
+    ({"recipe": "h2o", "budget": 1.5}, "budget"),
+])
+@pytest.mark.parametrize("how", ["vllm serve", "python -m"])
+def test_a_bad_entry_stops_vllm_serve_before_its_engine_starts_with_one_line(vllm_python, smollm2_dir, entry, words,
+                                                                            how):
+    """The entry is checked where vLLM makes its configuration (the API server's process): `kvpolicy: error: ...`
+    as the last line, exit status 2, and no engine core ever started (it takes minutes here, and its failure
+    buries the line under its own tracebacks)."""
+    launcher = ([str(VENV / "bin" / "vllm"), "serve"] if how == "vllm serve"
+                else [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model"])
+    command = [*launcher, str(smollm2_dir), "--port", str(_free_port()), "--dtype", "float32",
+               "--no-enable-prefix-caching", "--additional-config", json.dumps({"kvpolicy": entry})]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert lines[-1].startswith("kvpolicy: error: ") and words in lines[-1], lines[-5:]
+    assert "Initializing a V1 LLM engine" not in run.stderr + run.stdout and "EngineCore" not in run.stderr
+
+
 def test_vllm_serve_answers_an_openai_client_with_the_recipe_active(vllm_python, embedded_model, tmp_path):
     """The server and the client of docs/vllm.md, as written there (on a free port)."""
     port = _free_port()

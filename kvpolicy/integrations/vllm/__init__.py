@@ -7,8 +7,8 @@ engine's config has a ``kvpolicy`` entry:
 
     LLM(model, additional_config={"kvpolicy": {"recipe": "h2o"}}, enable_prefix_caching=False)
 
-See docs/vllm.md. `settings`, `schedule`, `paged`, `engine` and `compact_step` import no vLLM; `spec`,
-`backend` and `gpu_backend` do.
+See docs/vllm.md. `settings`, `schedule`, `paged`, `deferred`, `engine` and `compact_step` import no vLLM; `spec`,
+`frontend`, `backend` and `gpu_backend` do (`frontend` when called).
 """
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ def register() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+    from .frontend import check_before_engines_start
     from .spec import KVPolicyManager, KVPolicySpec
 
+    check_before_engines_start()  # in the process that makes the configuration: a bad entry fails in seconds
     # the registry fills itself with vLLM's own specs only while it is empty: let it, then add ours
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(KVPolicySpec, KVPolicyManager, uniform_type_base_spec=FullAttentionSpec)

@@ -26,7 +26,7 @@ import torch
 from ...errors import KVPolicyError
 from .deferred import WINDOW, QueryWindows, stored_observation
 from .engine import engine_from_config
-from .paged import CompactRows, PagedLayerCache, PagedPolicies
+from .paged import CompactRows, PagedLayerCache, PagedPolicies, defers_statistics, slot_rows
 from .schedule import RequestSchedule
 from .settings import PagedLayer
 
@@ -55,6 +55,7 @@ class RuleStep:
     decode: Observation | None  # the step's one-token requests, observed together
     prompts: list[Observation]  # each longer chunk, observed alone
     stored: StoredQueries | None  # for layers whose policies batch decode statistics (`PagedPolicies.defers`)
+    metadata: tuple[torch.Tensor, torch.Tensor] | None = None  # `paged.slot_rows` of the step's tokens, made once
 
 
 @dataclass
@@ -121,6 +122,9 @@ class CompactBuilder:
         # the decode queries stored for the layers whose policies batch their statistics (`deferred`)
         plan = self.engine.plan if self.engine.active else None
         self.windows = QueryWindows(len(plan.rules)) if plan is not None and plan.defers_statistics else None
+        # and whether some layer still observes each decode step (policies that read a step's own attention)
+        self.observes_decode = plan is not None and any(
+            layer.policies.needs and not defers_statistics(layer.policies) for layer in plan.layers)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build) if self.engine.active else None
@@ -173,7 +177,7 @@ class CompactBuilder:
         # the statistics: decode steps together (one query each), each prompt chunk alone (long, of any length)
         decoding = [r for r in requests if r.end - r.start == 1]
         prompts = [r for r in requests if r.end - r.start > 1]
-        decode_queries = _queries(decoding, starts, device) if plan.needs_statistics and decoding else None
+        decode_queries = _queries(decoding, starts, device) if self.observes_decode and decoding else None
         prompt_queries = [_queries([r], starts, device) for r in prompts] if plan.needs_statistics else []
         rules = []
         for rule in range(len(plan.rules)):
@@ -301,7 +305,9 @@ class CompactImpl:
         count = attn_metadata.num_actual_tokens
         # the step's tokens after this layer's eviction made room for them, where the compact layout puts them
         super().do_kv_cache_update(layer, key[:count], value[:count], kv_cache, todo.slots)
-        cache.write_metadata(todo.slots, step.positions)
+        if todo.metadata is None:  # the same for every layer of the rule
+            todo.metadata = slot_rows(todo.slots, step.positions, cache.positions.shape[1], cache.block_size)
+        cache.write_metadata(todo.slots, step.positions, todo.metadata)
         if stored is not None and len(stored.entries):
             cache.store_queries(query[stored.step_rows], stored.entries, stored.buffer_rows * WINDOW)
         super().forward(layer, query, key, value, kv_cache, todo.kernel, output, output_scale, output_block_scale)

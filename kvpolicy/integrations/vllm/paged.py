@@ -56,18 +56,21 @@ def _key_rows(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return keys.reshape(blocks * heads, block_size * dim), False  # any other layout: one copy of the whole layer
 
 
-_WORKSPACES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_WORKSPACES: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
 
 
-def _workspace(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A reused buffer for a step's copy of the keys (the same for every layer: they run one after another). A fresh
-    allocation of megabytes each layer came from the OS page by page: on this project's CPU, 1-1.5 ms of page faults
-    for a copy that takes 0.1 ms."""
-    key = (like.device, like.dtype)
+def _workspace(name: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """A reused buffer (``name``: the keys' copy, the logits) for the score passes, the same for every layer: they
+    run one after another. A fresh allocation of a few hundred KiB to megabytes each layer came from the OS page by
+    page: on this project's CPU a softmax over 100K logits took 210 us in fresh memory, 80 us in reused memory. One
+    per inference mode: a tensor made in one cannot be written in the other."""
+    dtype = dtype or like.dtype
+    key = (name, like.device, dtype, torch.is_inference_mode_enabled())
     count = math.prod(shape)
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.numel() < count:
-        buffer = _WORKSPACES[key] = torch.empty(count, dtype=like.dtype, device=like.device)
+        buffer = _WORKSPACES[key] = torch.empty(count, dtype=dtype, device=like.device)
     return buffer[:count].view(shape)
 
 
@@ -120,17 +123,26 @@ class PagedLayerCache:
             raise RuntimeError("kvpolicy: a score pass over stored queries, but none were stored in this layer")
         return self.queries
 
-    def write_metadata(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
-        """The positions of new tokens at ``slots`` [N]; their policy state starts empty."""
-        count, heads = slots.shape[0], self.positions.shape[1]
-        block, offset = slots // self.block_size, slots % self.block_size
-        # each (token, KV head) as one row of [blocks * Hkv * bs]: one index_copy_ per tensor (indexing
-        # [block, :, offset] takes torch's slow path; it cost ~0.4 ms a layer at 9 requests)
-        head = torch.arange(heads, device=slots.device)
-        rows = ((block[:, None] * heads + head) * self.block_size + offset[:, None]).reshape(-1)  # [N * Hkv]
-        self.positions.view(-1).index_copy_(0, rows, positions.to(torch.int32)[:, None].expand(count, heads).reshape(-1))
+    def write_metadata(self, slots: torch.Tensor, positions: torch.Tensor,
+                       rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """The positions of new tokens at ``slots`` [N]; their policy state starts empty. ``rows``: `slot_rows` of
+        them, made once for every layer of a step."""
+        index, values = rows if rows is not None else slot_rows(slots, positions, self.positions.shape[1],
+                                                                self.block_size)
+        self.positions.view(-1).index_copy_(0, index, values)
         for tensor in self.state.values():
-            tensor.view(-1).index_fill_(0, rows, 0)  # a new token starts with no history
+            tensor.view(-1).index_fill_(0, index, 0)  # a new token starts with no history
+
+
+def slot_rows(slots: torch.Tensor, positions: torch.Tensor, heads: int, block_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (new token, KV head) as one row of a per-slot tensor ``[blocks * Hkv * bs]`` and the token's position
+    there: one index_copy_ per tensor writes them (indexing [block, :, offset] takes torch's slow path; it cost
+    ~0.4 ms a layer at 9 requests)."""
+    block, offset = slots // block_size, slots % block_size
+    head = torch.arange(heads, device=slots.device)
+    rows = ((block[:, None] * heads + head) * block_size + offset[:, None]).reshape(-1)  # [N * Hkv]
+    return rows, positions.to(torch.int32)[:, None].expand(len(slots), heads).reshape(-1)
 
 
 @dataclass
@@ -346,7 +358,8 @@ class PagedPolicies:
             requests, heads, count, groups, dim).reshape(-1, groups, dim)
         key_rows, transposed = _key_rows(cache.keys)
         index = rows.key_rows(heads).reshape(-1)  # one row per (request, KV head, block)
-        picked = torch.index_select(key_rows, 0, index, out=_workspace(key_rows, (len(index), key_rows.shape[1])))
+        picked = torch.index_select(key_rows, 0, index,
+                                    out=_workspace("keys", key_rows, (len(index), key_rows.shape[1])))
         picked = picked.float()
         keys = picked.view(-1, dim, block_size) if transposed else picked.view(-1, block_size, dim).transpose(1, 2)
         logits = torch.bmm(grouped, keys).view(requests, heads, count, groups, block_size)
@@ -369,11 +382,15 @@ class PagedPolicies:
         grouped = grouped.permute(0, 2, 1, 3, 4).reshape(requests * heads, queries * groups, dim).float() * scaling
         key_rows, transposed = _key_rows(cache.keys)
         index = rows.key_rows(heads).reshape(-1)
-        picked = torch.index_select(key_rows, 0, index, out=_workspace(key_rows, (len(index), key_rows.shape[1])))
+        picked = torch.index_select(key_rows, 0, index,
+                                    out=_workspace("keys", key_rows, (len(index), key_rows.shape[1])))
         blocks = (picked.view(requests, heads, count, dim, block_size) if transposed
                   else picked.view(requests, heads, count, block_size, dim).transpose(-1, -2))
-        keys = blocks.permute(0, 1, 3, 2, 4).reshape(requests * heads, dim, count * block_size)[..., :width]
-        logits = torch.bmm(grouped, keys.float()).view(requests, heads, queries, groups, width)
+        keys = _workspace("keys by head", grouped, (requests, heads, dim, count, block_size)).copy_(
+            blocks.permute(0, 1, 3, 2, 4)).view(requests * heads, dim, count * block_size)[..., :width]
+        logits = torch.bmm(grouped, keys,
+                           out=_workspace("logits", grouped, (requests * heads, queries * groups, width)))
+        logits = logits.view(requests, heads, queries, groups, width)
         # query j sees the slots up to its own token's, len - q + j; a pad sees the request's slots and counts for
         # nothing. Every hidden slot lies past the shortest request's len - q: only those columns are masked
         lengths = rows.lengths.to(real.device)
