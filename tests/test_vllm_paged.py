@@ -239,10 +239,11 @@ def test_decode_statistics_stored_and_read_before_each_eviction_keep_what_each_s
 
 @pytest.mark.parametrize("policy,deferred", [("h2o", True), ("tova", False)])
 def test_a_batch_scored_in_parts_scores_as_one(policy, deferred, monkeypatch):
-    """A batch whose keys and logits would not fit `_PART_ELEMENTS` is scored a few rows at a time (here: one)."""
-    import kvpolicy.integrations.vllm.paged as paged_module
+    """A batch whose keys and logits would not fit `score_pass.PART_ELEMENTS` is scored a few rows at a time (here:
+    one)."""
+    from kvpolicy.integrations.vllm import score_pass
 
-    monkeypatch.setattr(paged_module, "_PART_ELEMENTS", 1)
+    monkeypatch.setattr(score_pass, "PART_ELEMENTS", 1)
     steps = [[9, 0, 5], [7, 13, 1], *[[1, 1, 1]] * 24]
     assert run_both(recipe(policy, {"tokens": 10}, slack=7), steps, deferred=deferred) < 1e-5
 

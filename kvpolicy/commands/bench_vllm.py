@@ -46,6 +46,8 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--evict-during-prefill"]
     if args.tensor_parallel_size:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    if args.compiled:
+        argv += ["--compiled"]
     if args.out:
         argv += ["--out", args.out]
     return argv

@@ -7,8 +7,8 @@ engine's config has a ``kvpolicy`` entry:
 
     LLM(model, additional_config={"kvpolicy": {"recipe": "h2o"}}, enable_prefix_caching=False)
 
-See docs/vllm.md. `settings`, `schedule`, `paged`, `deferred`, `engine` and `compact_step` import no vLLM; `spec`,
-`frontend`, `backend` and `gpu_backend` do (`frontend` when called).
+See docs/vllm.md. `settings`, `schedule`, `paged`, `score_pass`, `deferred`, `engine` and `compact_step` import no
+vLLM; `spec`, `frontend`, `backend` and `gpu_backend` do (`frontend` when called).
 """
 
 from __future__ import annotations

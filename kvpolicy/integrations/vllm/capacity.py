@@ -207,10 +207,22 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
         "prefill_per_step": [step["prefill"] for step in records],
         "seconds_per_step": [round(seconds, 4) for seconds, _ in step_times],
         "tokens_per_step": [tokens for _, tokens in step_times],
+        "decode_by_batch": decode_by_batch(step_times, records),
         "decode_running_mean": round(statistics.mean(step["running"] for (_, tokens), step
                                                      in zip(step_times, records, strict=True)
                                                      if not step["prefill"] and tokens), 1) if decode else None,
     }
+
+
+def decode_by_batch(step_times: list[tuple[float, int]], records: list[dict]) -> dict[int, list[float]]:
+    """The decode-only steps by how many requests decoded in them (one token each): batch -> [tokens/s, seconds]."""
+    totals: dict[int, list[float]] = {}
+    for (seconds, tokens), step in zip(step_times, records, strict=True):
+        if tokens and not step["prefill"]:
+            entry = totals.setdefault(tokens, [0, 0.0])
+            entry[0] += tokens
+            entry[1] += seconds
+    return {batch: [round(tokens / seconds, 1), round(seconds, 1)] for batch, (tokens, seconds) in sorted(totals.items())}
 
 
 def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
@@ -335,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(str(row[key]) for key in ("config", "peak_running", "peak_blocks", "mean_blocks",
                                                    "decode_tokens_per_s", "end_to_end_tokens_per_s",
                                                    "ttft_median_s", "ttft_max_s")) + ratio)
+    print("\ndecode tok/s by requests in the step (tok/s, seconds spent there):")
+    for row in rows:
+        print(f"  {row['config']}: " + ", ".join(f"{batch}: {rate} ({seconds} s)"
+                                                for batch, (rate, seconds) in row["decode_by_batch"].items()))
     from vllm.platforms import current_platform
 
     contexts = sorted({math.ceil(0.2 * args.prompt_tokens), args.prompt_tokens})

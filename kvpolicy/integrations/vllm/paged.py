@@ -7,8 +7,8 @@ the kernel needs. What is left to kvpolicy:
 
 - an eviction ranks the tokens of each (request, KV head) by its policies' scores and moves the kept ones that
   lie past the first ``budget`` slots into the slots freed before them (`PagedPolicies.evict`);
-- policies that read attention statistics get them from a score pass that reads the keys once, from a query's
-  log-sum-exp (`PagedPolicies.observe`); policies that read none (``streaming``, ``window``) pay nothing else.
+- policies that read attention statistics get them from a score pass over the keys (`PagedPolicies.observe`,
+  `score_pass`); policies that read none (``streaming``, ``window``) pay nothing else.
 
 Torch only (no vLLM), so that the tests of the main environment check it against kvpolicy's dense layer. The
 engine's cache of one layer is seen as ``keys``/``values`` ``[blocks, kv_heads, block_size, head_dim]`` views of
@@ -19,16 +19,14 @@ KV head, the token's position and the policies' state.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from ...backend import torch_ref
-from ...backend.call import AttentionCall
 from ...cache.policy_group import LayerPolicies, PolicyGroup
-from ...policies.base import AttentionStats, TokenView
+from ...policies.base import TokenView
 from ...storage.base import top_kept
+from . import score_pass
 
 
 def cpu_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,37 +39,6 @@ def cpu_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     keys = flat[..., : block_size * dim].view(blocks, heads, dim, block_size).transpose(-1, -2)
     values = flat[..., block_size * dim :].view(blocks, heads, block_size, dim)
     return keys, values
-
-
-def _key_rows(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A layer's keys ``[blocks, Hkv, bs, D]`` as one row per (block, KV head): ``[blocks * Hkv, bs * D]``, and
-    whether each row holds them transposed (``[D, bs]``, vLLM's CPU cache) or not (``[bs, D]``). Rows of contiguous
-    elements make the copy of a batch's blocks a plain one (an index_select over a strided 4-d view took torch's
-    element-wise path: ~5x slower at 12 requests x 330 tokens)."""
-    blocks, heads, block_size, dim = keys.shape
-    for transposed, inner in ((True, keys.transpose(-1, -2)), (False, keys)):
-        if inner.stride(3) == 1 and inner.stride(2) == inner.shape[3] and inner.stride(0) == heads * inner.stride(1):
-            rows = inner.as_strided((blocks * heads, block_size * dim), (inner.stride(1), 1), inner.storage_offset())
-            return rows, transposed
-    return keys.reshape(blocks * heads, block_size * dim), False  # any other layout: one copy of the whole layer
-
-
-_WORKSPACES: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
-
-
-def _workspace(name: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
-    """A reused buffer (``name``: the keys' copy, the logits) for the score passes, the same for every layer: they
-    run one after another. A fresh allocation of a few hundred KiB to megabytes each layer came from the OS page by
-    page: on this project's CPU a softmax over 100K logits took 210 us in fresh memory, 80 us in reused memory. One
-    per inference mode: a tensor made in one cannot be written in the other."""
-    dtype = dtype or like.dtype
-    key = (name, like.device, dtype, torch.is_inference_mode_enabled())
-    count = math.prod(shape)
-    buffer = _WORKSPACES.get(key)
-    if buffer is None or buffer.numel() < count:
-        buffer = _WORKSPACES[key] = torch.empty(count, dtype=dtype, device=like.device)
-    return buffer[:count].view(shape)
 
 
 @dataclass
@@ -232,33 +199,19 @@ class CompactRows:
         return self.blocks[row, index // self.block_size], index % self.block_size
 
 
-#: the statistics a pass over several stored queries of a request gives as the sum of theirs, one by one
-ADDITIVE_STATS = frozenset({"colsum", "colsum_sq"})
-
-
 def defers_statistics(policies: LayerPolicies) -> bool:
     """Whether a layer's decode queries may be stored and observed together later (`deferred`): every policy that
-    reads statistics reads only sums over queries (`Policy.additive`) of `ADDITIVE_STATS`."""
+    reads statistics reads only sums over queries (`Policy.additive`) of `score_pass.ADDITIVE_STATS`."""
     reading = [group.policy for group in policies.groups if group.policy.needs]
-    return bool(reading) and all(policy.additive and policy.needs <= ADDITIVE_STATS for policy in reading)
-
-
-#: at most this many queries per request take `PagedPolicies._few_query_scores` (stored decode queries); longer
-#: prompt chunks take torch_ref's chunked pass
-FEW_QUERIES = 64
-#: at most about this many elements of keys or logits at once in those passes (16 MiB in fp32)
-_PART_ELEMENTS = 1 << 22
-
-#: the statistics the Triton kernels compute from the blocks in place (`backend.triton_paged`), for a decode step
-IN_PLACE_STATS = frozenset({"colsum", "last_rows"})
+    return bool(reading) and all(policy.additive and policy.needs <= score_pass.ADDITIVE_STATS for policy in reading)
 
 
 class PagedPolicies:
     """One layer's policies over a paged cache: compact at eviction, and observe the statistics they read.
 
     ``backend="triton"`` (CUDA, or the interpreter in tests): the compaction's K/V moves, and the score pass of a
-    batch of decode steps whose policies read only `IN_PLACE_STATS`, run in `backend.triton_paged`, reading the
-    blocks where they lie.
+    batch of decode steps whose policies read only `score_pass.IN_PLACE_STATS`, run in `backend.triton_paged`,
+    reading the blocks where they lie.
     """
 
     def __init__(self, policies: LayerPolicies, backend: str = "torch"):
@@ -304,123 +257,18 @@ class PagedPolicies:
         request's tokens right-aligned, its last ones at the end of its slots) at ``query_positions`` [R, q] over
         the requests' slots, the step's new tokens included. A score pass: the keys are read once, and the output
         is the engine's."""
-        needs = self.policies.needs
+        needs, window = self.policies.needs, self.policies.last_rows_window
         if not needs:
             return
-        heads = cache.positions.shape[1]
-        decoding = query_index.shape[1] == 1 and bool((query_index >= 0).all())
-        few = decoding and needs <= torch_ref.DECODE_STATS or query_index.shape[1] <= FEW_QUERIES and needs <= ADDITIVE_STATS
-        if few and not (decoding and self.backend == "triton" and needs <= IN_PLACE_STATS):
-            # the torch passes hold every row's keys and logits at once: a batch too large for that goes in parts
-            per_row = rows.width * max(query.shape[1] * query_index.shape[1], heads * query.shape[-1])
-            part = max(1, _PART_ELEMENTS // per_row)
-            if len(rows.lengths) > part:
-                for lo in range(0, len(rows.lengths), part):
-                    hi = lo + part
-                    self.observe(cache, rows.part(lo, hi), query, query_index[lo:hi], query_positions[lo:hi], scaling)
-                return
-        if decoding and self.backend == "triton" and needs <= IN_PLACE_STATS:
-            stats = self._scores_in_place(cache, rows, query[query_index[:, 0]], scaling)
-        elif decoding and needs <= torch_ref.DECODE_STATS:
-            stats = self._decode_scores(cache, rows, query[query_index[:, 0]], scaling)
-        elif few:
-            stats = self._few_query_scores(cache, rows, query, query_index, scaling)
-        else:
-            valid = rows.valid().expand(-1, heads, -1)
-            keys = rows.gather(cache.keys).float()
-            query_valid = query_index >= 0
-            width = query_index.shape[1]
-            call = AttentionCall(
-                keys=keys, values=keys[..., :0], valid=valid,
-                key_positions=torch.where(valid, rows.gather(cache.positions).long(), -1),
-                query_positions=torch.where(query_valid, query_positions, -1),
-                query_valid=None if bool(query_valid.all()) else query_valid, past_slots=keys.shape[2] - width,
-                scaling=scaling, needs=needs, last_rows_window=self.policies.last_rows_window,
-                # hole-free: one request's queries are its last slots, and causality is the whole mask
-                causal_only=len(rows.lengths) == 1 and bool(query_valid.all()),
-            )
-            grouped_query = query[query_index.clamp(min=0)].permute(0, 2, 1, 3).float()  # [R, Hq, q, D]
-            stats = torch_ref.score_pass(grouped_query, call)
+        part = score_pass.rows_at_once(cache.keys, rows, query, query_index, needs, self.backend)
+        if len(rows.lengths) > part:  # a batch too large to score at once goes in parts
+            for lo in range(0, len(rows.lengths), part):
+                hi = lo + part
+                self.observe(cache, rows.part(lo, hi), query, query_index[lo:hi], query_positions[lo:hi], scaling)
+            return
+        stats = score_pass.scores(cache.keys, cache.values, cache.positions, rows, query, query_index,
+                                  query_positions, scaling, needs, window, self.backend)
         state = {name: rows.gather(tensor) for name, tensor in cache.state.items()}
         self.policies.observe(lambda group: self._state_of(group, state), stats)
         for name, tensor in cache.state.items():
             rows.scatter(tensor, state[name])
-
-    def _decode_scores(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
-                       ) -> AttentionStats:
-        """One query per request (``query`` [R, Hq, D]): the logits block by block, one batched matmul over every
-        (request, KV head, block), from a copy of the blocks' keys as the cache stores them (vLLM's CPU cache:
-        transposed), then a softmax over each request's slots."""
-        heads, block_size, dim = cache.keys.shape[1], rows.block_size, query.shape[-1]
-        requests, count = rows.blocks.shape
-        groups = query.shape[1] // heads
-        grouped = (query.view(requests, heads, 1, groups, dim).float() * scaling).expand(
-            requests, heads, count, groups, dim).reshape(-1, groups, dim)
-        key_rows, transposed = _key_rows(cache.keys)
-        index = rows.key_rows(heads).reshape(-1)  # one row per (request, KV head, block)
-        picked = torch.index_select(key_rows, 0, index,
-                                    out=_workspace("keys", key_rows, (len(index), key_rows.shape[1])))
-        picked = picked.float()
-        keys = picked.view(-1, dim, block_size) if transposed else picked.view(-1, block_size, dim).transpose(1, 2)
-        logits = torch.bmm(grouped, keys).view(requests, heads, count, groups, block_size)
-        logits = logits.transpose(2, 3).reshape(requests, heads, groups, count * block_size)[..., : rows.width]
-        valid = rows.valid()
-        probs = torch.softmax(logits.masked_fill_(~valid[:, :, None], -torch.inf), dim=-1)
-        return torch_ref.decode_stats(probs, valid.expand(-1, heads, -1), self.policies.needs,
-                                      self.policies.last_rows_window)
-
-    def _few_query_scores(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor,
-                          query_index: torch.Tensor, scaling: float) -> AttentionStats:
-        """The `ADDITIVE_STATS` of a few queries per request, each its request's token at the last slots (``query``
-        [N, Hq, D] rows ``query_index`` [R, q], right-aligned, -1: pad), as stored decode queries are: the keys of
-        each (request, KV head) copied once into one matrix, one matmul for all its queries, causal by slot."""
-        heads, block_size, dim = cache.keys.shape[1], rows.block_size, query.shape[-1]
-        (requests, count), width, queries = rows.blocks.shape, rows.width, query_index.shape[1]
-        groups = query.shape[1] // heads
-        real = query_index >= 0  # [R, q]
-        grouped = query[query_index.clamp(min=0)].view(requests, queries, heads, groups, dim)
-        grouped = grouped.permute(0, 2, 1, 3, 4).reshape(requests * heads, queries * groups, dim).float() * scaling
-        key_rows, transposed = _key_rows(cache.keys)
-        index = rows.key_rows(heads).reshape(-1)
-        picked = torch.index_select(key_rows, 0, index,
-                                    out=_workspace("keys", key_rows, (len(index), key_rows.shape[1])))
-        blocks = (picked.view(requests, heads, count, dim, block_size) if transposed
-                  else picked.view(requests, heads, count, block_size, dim).transpose(-1, -2))
-        keys = _workspace("keys by head", grouped, (requests, heads, dim, count, block_size)).copy_(
-            blocks.permute(0, 1, 3, 2, 4)).view(requests * heads, dim, count * block_size)[..., :width]
-        logits = torch.bmm(grouped, keys,
-                           out=_workspace("logits", grouped, (requests * heads, queries * groups, width)))
-        logits = logits.view(requests, heads, queries, groups, width)
-        # query j sees the slots up to its own token's, len - q + j; a pad sees the request's slots and counts for
-        # nothing. Every hidden slot lies past the shortest request's len - q: only those columns are masked
-        lengths = rows.lengths.to(real.device)
-        own = torch.where(real, lengths[:, None] - queries + torch.arange(queries, device=real.device),
-                          lengths[:, None] - 1)
-        first = max(0, int(lengths.min()) - queries)
-        hidden = torch.arange(first, width, device=real.device) > own[..., None]  # [R, q, width - first]
-        logits[..., first:].masked_fill_(hidden[:, None, :, None], -torch.inf)
-        probs = torch.softmax(logits, dim=-1)
-        if not bool(real.all()):
-            probs.mul_(real[:, None, :, None, None])
-        colsum = probs.sum(dim=(2, 3)).div_(groups)
-        colsum_sq = probs.square().sum(dim=(2, 3)).div_(groups) if "colsum_sq" in self.policies.needs else None
-        return AttentionStats(queries=real.sum(dim=1), colsum=colsum, colsum_sq=colsum_sq)
-
-    def _scores_in_place(self, cache: PagedLayerCache, rows: CompactRows, query: torch.Tensor, scaling: float
-                         ) -> AttentionStats:
-        """The Triton score pass over the blocks where they lie, from the log-sum-exp of kvpolicy's paged decode
-        kernel (an engine whose kernel returns one can hand it over instead)."""
-        from ...backend.triton_paged import paged_column_sums, paged_decode
-
-        heads = cache.positions.shape[1]
-        slots = rows.blocks.shape[1] * rows.block_size
-        valid = torch.arange(slots, device=query.device) < rows.lengths.to(query.device)[:, None]
-        valid = valid[:, None].expand(-1, heads, -1)
-        table = rows.blocks.to(query.device)
-        _, lse = paged_decode(query, cache.keys, cache.values, table, valid, scaling)
-        colsum = paged_column_sums(query, cache.keys, table, valid, lse, scaling)[:, :, : rows.width]
-        queries = torch.ones(query.shape[0], dtype=torch.long, device=query.device)
-        needs, window = self.policies.needs, self.policies.last_rows_window
-        last_rows = colsum[:, :, None] if "last_rows" in needs and window > 0 else None
-        return AttentionStats(queries=queries, colsum=colsum, last_rows=last_rows)
-
