@@ -149,6 +149,54 @@ def parallel_results(vllm_python, tiny_llama_dir, prompts, tmp_path_factory) -> 
     return dict(zip(jobs, lines, strict=True))
 
 
+#: a KV memory that forces vLLM to preempt (the load that preempted in #32's report): 68 blocks of 32 tokens for 12
+#: prompts of 1,000-1,440 tokens prefilled 512 tokens a step, two of them aborted after 20 steps
+LOAD_BLOCKS, LOAD_PROMPTS, LOAD_ABORTED = 68, 12, [1, 4]
+
+
+@pytest.fixture(scope="session")
+def load_results(vllm_python, smollm2_dir, tmp_path_factory) -> dict[str, dict]:
+    """Stock vLLM and `h2o` under load: 12 requests at once in too little KV memory, two aborted after 20 steps."""
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text[:200_000])["input_ids"]
+    prompts = [ids[3000 * i: 3000 * i + 1000 + 40 * i] for i in range(LOAD_PROMPTS)]
+    block_bytes = 2 * 30 * 3 * 64 * BLOCK * 4  # SmolLM2's K/V of one block, fp32
+    engine = {"num_gpu_blocks_override": LOAD_BLOCKS, "kv_cache_memory_bytes": (LOAD_BLOCKS + 1) * block_bytes,
+              "max_num_batched_tokens": 512, "max_model_len": 1536}
+    jobs = {name: {**engine_job(smollm2_dir, config, prompts, 64, **engine),
+                   "abort": {"after_steps": 20, "requests": LOAD_ABORTED}}
+            for name, config in (("stock", None), ("h2o", {"recipe": str(ROOT / "recipes" / "h2o.yaml")}))}
+    path = tmp_path_factory.mktemp("vllm-load") / "jobs.json"
+    path.write_text(json.dumps(list(jobs.values())))
+    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
+                         capture_output=True, text=True, timeout=1200, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
+    return dict(zip(jobs, lines, strict=True))
+
+
+@pytest.mark.parametrize("name", ["stock", "h2o"])
+def test_after_aborts_and_preemptions_no_block_is_held(load_results, name):
+    """Requests aborted mid-way and requests vLLM preempted (and recomputed) give every block back: once nothing
+    runs, the pool holds all its blocks free and no request holds one, as with stock vLLM under the same load."""
+    got = load_results[name]
+    assert "error" not in got, got.get("error")
+    survivors = [str(i) for i in range(LOAD_PROMPTS) if i not in LOAD_ABORTED]
+    assert set(survivors) <= set(got["finished"]) and all(len(got["tokens"][int(i)]) == 64 for i in survivors)
+    assert all(len(got["tokens"][i]) < 64 for i in LOAD_ABORTED)  # the aborted ones stopped mid-way
+    assert got["held_at_end"] == {} and got["free_blocks_at_end"] == got["pool_blocks"] - 1  # less the null block
+
+
+def test_the_load_did_force_a_preemption(load_results):
+    # h2o frees blocks as it evicts, so it may get through without one; stock vLLM under the same load may not
+    assert any(got.get("preempted") for got in load_results.values()), load_results
+
+
 @pytest.fixture(scope="session")
 def reference_model():
     import kvpolicy

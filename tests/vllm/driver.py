@@ -1,13 +1,15 @@
 """Runs jobs on vLLM (in the vLLM environment) for tests/test_vllm.py: one engine per job, results as JSON lines.
 
     python driver.py JOBS.json     # [{"model": dir, "config": {...} | null, "prompts": [[ids]...], "max_tokens": n,
-                                   #   "engine": {LLM keyword arguments}}, ...]
+                                   #   "engine": {LLM keyword arguments},
+                                   #   "abort": {"after_steps": k, "requests": [i, ...]} (optional)}, ...]
 
 Each result: the generated token ids per prompt, the most KV blocks each request held at once, read from the
 scheduler's block manager (kvpolicy's manager records it; the stock one is read from its block table), and how
 many times the job called vLLM's CPU attention kernel and kvpolicy's own attention (`calls`; with one rank, whose
 worker runs in this process). The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that its
-scheduler can be read.
+scheduler can be read. A job with ``abort`` runs its prompts through the engine's loop instead and aborts some
+mid-way (`run_under_load`).
 """
 
 import json
@@ -71,6 +73,10 @@ def run(job):
     manager.remove_skipped_blocks = watch
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0.0, ignore_eos=True)
     CALLS.update(dict.fromkeys(CALLS, 0))
+    if "abort" in job:
+        result = run_under_load(llm, job, params)
+        del llm
+        return result
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
@@ -83,6 +89,44 @@ def run(job):
     }
     del llm
     return result
+
+
+def run_under_load(llm, job, params) -> dict:
+    """All prompts at once through the engine's own loop; after ``abort.after_steps`` steps, the requests
+    ``abort.requests`` are aborted mid-way. Reports what finished, how often vLLM preempted a request, and the KV
+    blocks still held once nothing runs (read from the block pool and from the manager's per-request tables)."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    preempted = []
+    original = scheduler._preempt_request
+
+    def preempt(request, *args, **kwargs):
+        preempted.append(request.request_id)
+        return original(request, *args, **kwargs)
+
+    scheduler._preempt_request = preempt
+    for index, ids in enumerate(job["prompts"]):
+        engine.add_request(str(index), {"prompt_token_ids": ids}, params)
+    aborted = [str(index) for index in job["abort"]["requests"]]
+    tokens, finished, steps = {}, set(), 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        steps += 1
+        if steps == job["abort"]["after_steps"]:
+            engine.abort_request(aborted)
+    pool = scheduler.kv_cache_manager.block_pool
+    held = {rid: sum(1 for block in blocks if not block.is_null)
+            for manager in scheduler.kv_cache_manager.coordinator.single_type_managers
+            for rid, blocks in manager.req_to_blocks.items()}
+    return {
+        "tokens": [tokens.get(str(index), []) for index in range(len(job["prompts"]))],
+        "finished": sorted(finished, key=int), "aborted": aborted, "preempted": preempted, "steps": steps,
+        "pool_blocks": pool.num_gpu_blocks, "free_blocks_at_end": pool.get_num_free_blocks(),
+        "held_at_end": {rid: count for rid, count in held.items() if count},
+    }
 
 
 def main():
