@@ -98,10 +98,15 @@ def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, di
         "prefix caching": engine_job(smollm2_dir, {"recipe": "h2o"}, prompts[:1], 4, enable_prefix_caching=True),
         **{name: engine_job(smollm2_dir, {"recipe": name}, prompts[:1], 16) for name in OTHER_RECIPES},
     }
-    path = tmp_path_factory.mktemp("vllm") / "jobs.json"
+    return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm"), timeout=2400)
+
+
+def run_driver(vllm_python: Path, jobs: dict, folder: Path, timeout: int, **env: str) -> dict:
+    """The jobs run one after another in one driver process (tests/vllm/driver.py); their results by name."""
+    path = folder / "jobs.json"
     path.write_text(json.dumps(list(jobs.values())))
-    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
-                         capture_output=True, text=True, timeout=2400, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)], capture_output=True,
+                         text=True, timeout=timeout, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
     lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
     return dict(zip(jobs, lines, strict=True))
@@ -139,14 +144,8 @@ def parallel_results(vllm_python, tiny_llama_dir, prompts, tmp_path_factory) -> 
     jobs = {(name, tp): engine_job(tiny_llama_dir, config, prompts, 48, tensor_parallel_size=tp,
                                    kv_cache_memory_bytes=64 << 20)
             for tp in (1, 2) for name, config in configs.items()}
-    path = tmp_path_factory.mktemp("vllm-tp") / "jobs.json"
-    path.write_text(json.dumps(list(jobs.values())))
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
-                         capture_output=True, text=True, timeout=1800, env=env)
-    lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
-    return dict(zip(jobs, lines, strict=True))
+    return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm-tp"), timeout=1800,
+                      VLLM_CPU_OMP_THREADS_BIND="0|1")
 
 
 #: a KV memory that forces vLLM to preempt (the load that preempted in #32's report): 68 blocks of 32 tokens for 12
@@ -171,13 +170,7 @@ def load_results(vllm_python, smollm2_dir, tmp_path_factory) -> dict[str, dict]:
     jobs = {name: {**engine_job(smollm2_dir, config, prompts, 64, **engine),
                    "abort": {"after_steps": 20, "requests": LOAD_ABORTED}}
             for name, config in (("stock", None), ("h2o", {"recipe": str(ROOT / "recipes" / "h2o.yaml")}))}
-    path = tmp_path_factory.mktemp("vllm-load") / "jobs.json"
-    path.write_text(json.dumps(list(jobs.values())))
-    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "driver.py"), str(path)],
-                         capture_output=True, text=True, timeout=1200, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    lines = [json.loads(line[len("RESULT "):]) for line in run.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == len(jobs), f"the driver stopped early:\n{run.stderr[-4000:]}"
-    return dict(zip(jobs, lines, strict=True))
+    return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm-load"), timeout=1200)
 
 
 @pytest.mark.parametrize("name", ["stock", "h2o"])
