@@ -26,7 +26,7 @@ import torch
 from ...errors import KVPolicyError
 from .deferred import WINDOW, QueryWindows, stored_observation
 from .engine import engine_from_config
-from .paged import CompactRows, PagedLayerCache, PagedPolicies, defers_statistics, slot_rows
+from .paged import CompactRows, PagedLayerCache, PagedPolicies, slot_rows
 from .schedule import RequestSchedule
 from .settings import PagedLayer
 
@@ -123,8 +123,7 @@ class CompactBuilder:
         plan = self.engine.plan if self.engine.active else None
         self.windows = QueryWindows(len(plan.rules)) if plan is not None and plan.defers_statistics else None
         # and whether some layer still observes each decode step (policies that read a step's own attention)
-        self.observes_decode = plan is not None and any(
-            layer.policies.needs and not defers_statistics(layer.policies) for layer in plan.layers)
+        self.observes_decode = plan is not None and plan.observes_decode_steps
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build) if self.engine.active else None

@@ -56,18 +56,16 @@ def _key_rows(keys: torch.Tensor) -> tuple[torch.Tensor, bool]:
 _WORKSPACES: dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor] = {}
 
 
-def _workspace(name: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
+def _workspace(name: str, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """A reused buffer (``name``: the keys' copy, the logits) for the score passes, the same for every layer: they
     run one after another. A fresh allocation of a few hundred KiB to megabytes each layer came from the OS page by
     page: on this project's CPU a softmax over 100K logits took 210 us in fresh memory, 80 us in reused memory. One
     per inference mode: a tensor made in one cannot be written in the other."""
-    dtype = dtype or like.dtype
-    key = (name, like.device, dtype, torch.is_inference_mode_enabled())
+    key = (name, like.device, like.dtype, torch.is_inference_mode_enabled())
     count = math.prod(shape)
     buffer = _WORKSPACES.get(key)
     if buffer is None or buffer.numel() < count:
-        buffer = _WORKSPACES[key] = torch.empty(count, dtype=dtype, device=like.device)
+        buffer = _WORKSPACES[key] = torch.empty(count, dtype=like.dtype, device=like.device)
     return buffer[:count].view(shape)
 
 

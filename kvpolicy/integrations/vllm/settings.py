@@ -96,6 +96,11 @@ class PagedPlan:
         """Whether any layer stores its decode queries for a later pass (`deferred`, `paged.defers_statistics`)."""
         return any(defers_statistics(layer.policies) for layer in self.layers)
 
+    @property
+    def observes_decode_steps(self) -> bool:
+        """Whether some layer still reads each decode step's own statistics (a pass every step)."""
+        return any(layer.policies.needs and not defers_statistics(layer.policies) for layer in self.layers)
+
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)
         during = ", evicting during prefill" if self.evict_during_prefill else ""
