@@ -11,6 +11,7 @@ output at every step and keep the same positions in every KV head.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from kvpolicy.errors import KVPolicyError
 from kvpolicy.integrations.vllm.deferred import QueryWindows, stored_observation
 from kvpolicy.integrations.vllm.engine import rank_heads
 from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
-from kvpolicy.integrations.vllm.schedule import RequestSchedule, peak_blocks
+from kvpolicy.integrations.vllm.schedule import RequestSchedule, most_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.recipe import load_recipe
 from kvpolicy.recipe.budget import Budget
@@ -403,28 +404,44 @@ def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evi
     assert (lo, hi) == (during.arena(0), 896 // 32)  # the blocks the last eviction emptied, freed a step later
 
 
-@pytest.mark.parametrize("prompt,chunk,rules", [
-    (1500, 256, (Budget(ratio=0.2),)), (1001, 128, (Budget(ratio=0.2),)), (760, 512, (Budget(ratio=0.1),)),
-    (2000, 96, (Budget(ratio=0.3), Budget(tokens=64))),
-])
-def test_peak_blocks_bounds_what_a_request_evicting_during_prefill_holds(prompt, chunk, rules):
-    """vLLM's scheduler admits a request when `peak_blocks` are free: a request fed in chunks, the manager freeing
-    what each step's eviction empties at that step's start, must never hold more (else a full pool would deadlock)."""
-    block, slack = 32, 31
-    schedule = RequestSchedule(rules, slack, block, evict_during_prefill=True)
-    freed, most, done = set(), 0, 0
-    while done < prompt + 200:
-        count = min(chunk, prompt - done) if done < prompt else 1
+def most_held(schedule: RequestSchedule, prompt: int, total: int, chunks: list[int], block: int) -> int:
+    """The most blocks a request holds, fed ``chunks`` of its prompt and then a token a step up to ``total``, the
+    manager freeing what each step's eviction empties at that step's start (`KVPolicyManager.remove_skipped_blocks`)."""
+    freed, most, done, chunks = set(), 0, 0, iter(chunks)
+    while done < total:
+        count = min(next(chunks, prompt), prompt - done) if done < prompt else 1
         schedule.start_step(done, prefilling=done < prompt, prompt_tokens=prompt)
-        lo, hi = schedule.empty_blocks()  # what the manager frees: emptied up to this step's start
+        lo, hi = schedule.empty_blocks()
         freed |= set(range(lo, hi))
         allocated = -(-(done + count) // block)  # the logical blocks this step's tokens need
         most = max(most, len(set(range(allocated)) - freed))
         done += count
-    bound = peak_blocks(rules, slack, block, prompt, chunk)
-    assert most <= bound < most + 6, (most, bound)  # a bound, and not a loose one
-    if 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for, once chunks are small
+    return most
+
+
+@pytest.mark.parametrize("prompt,chunk,rules,during_prefill", [
+    (1500, 256, (Budget(ratio=0.2),), True), (1001, 128, (Budget(ratio=0.2),), True),
+    (760, 512, (Budget(ratio=0.1),), True), (2000, 96, (Budget(ratio=0.3), Budget(tokens=64)), True),
+    (1500, 512, (Budget(ratio=0.2),), False), (900, 100, (Budget(tokens=128),), False),
+    (1200, 300, (Budget(ratio=0.2), Budget(tokens=96)), False), (150, 64, (Budget(ratio=0.5),), False),
+])
+def test_most_blocks_bounds_what_a_request_holds_whatever_the_chunking(prompt, chunk, rules, during_prefill):
+    """A request is admitted when `most_blocks` are free beside what the running requests may still take, so that
+    vLLM never preempts one: whatever chunks vLLM cuts a prompt into (at most ``chunk`` tokens, fewer when other
+    requests share the step), the request must never hold more; and the bound must not be loose, or fewer
+    requests run at once than could."""
+    block, slack, new = 32, 31, 200
+    bound = most_blocks(rules, slack, block, prompt, prompt + new, chunk, during_prefill)
+    rng = random.Random(prompt)
+    most = 0
+    for trial in range(12):
+        chunks = [chunk] * (prompt // chunk + 1) if trial == 0 else [rng.randint(1, chunk) for _ in range(prompt)]
+        schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during_prefill)
+        most = max(most, most_held(schedule, prompt, prompt + new, chunks, block))
+    assert most <= bound < most + 6, (most, bound)
+    if during_prefill and 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for
         assert bound < -(-prompt // block) * 0.7
+    assert most_blocks(rules, slack, block, prompt, prompt + 10, chunk, during_prefill) <= -(-(prompt + 10) // block)
 
 
 # --- settings: what a user writes, and what a paged engine refuses -------------------------------------------
@@ -444,9 +461,31 @@ def test_settings_read_the_users_entry():
         ({"kvpolicy": {"recipe": "h2o", "budget": True}}, "\\['budget'\\]"),
         ({"kvpolicy": {"recipe": "h2o", "slack": -1}}, "\\['slack'\\]"),
         ({"kvpolicy": {"recipe": "h2o", "evict_during_prefill": "yes"}}, "\\['evict_during_prefill'\\]"),
+        ({"kvpolicy": {"recipe": "h2o", "preemption": "swap"}}, "\\['preemption'\\] must be 'never'"),
     ]:
         with pytest.raises(KVPolicyError, match=words):
             read_settings(bad)
+    assert read_settings({"kvpolicy": {"recipe": "h2o", "preemption": "recompute"}}).preemption == "recompute"
+
+
+def test_the_configurations_whose_answers_may_depend_on_load_are_named_at_start():
+    """An answer equals the request's answer alone where neither admission nor the eviction points depend on the
+    other requests: the default admission (no preemption) and a ratio budget evicting once the prompt is in."""
+    from types import SimpleNamespace
+
+    from kvpolicy.integrations.vllm.engine import load_dependence
+
+    chunked, whole = SimpleNamespace(enable_chunked_prefill=True), SimpleNamespace(enable_chunked_prefill=False)
+
+    def reasons(scheduler, **entry):
+        plan = paged_plan(Settings(recipe="h2o", **entry), 2, 2, BLOCK)
+        return " | ".join(load_dependence(plan, scheduler))
+
+    assert reasons(chunked) == "" and reasons(chunked, budget=0.2) == ""
+    assert "preemption: recompute" in reasons(chunked, preemption="recompute")
+    assert "chunked prefill" in reasons(chunked, evict_during_prefill=True)
+    assert "chunked prefill" in reasons(chunked, budget=256)  # a token budget evicts between chunks
+    assert reasons(whole, evict_during_prefill=True) == ""
 
 
 def test_each_tensor_parallel_rank_runs_the_policies_of_its_own_heads():

@@ -126,6 +126,9 @@ def run_under_load(llm, job, params) -> dict:
         "finished": sorted(finished, key=int), "aborted": aborted, "preempted": preempted, "steps": steps,
         "pool_blocks": pool.num_gpu_blocks, "free_blocks_at_end": pool.get_num_free_blocks(),
         "held_at_end": {rid: count for rid, count in held.items() if count},
+        # allocations past the most blocks a request was admitted for (kvpolicy's manager counts them)
+        "overruns": sum(getattr(manager, "overruns", 0)
+                        for manager in scheduler.kv_cache_manager.coordinator.single_type_managers),
     }
 
 

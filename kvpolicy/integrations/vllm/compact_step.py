@@ -354,4 +354,5 @@ def customize_spec(spec, engine) -> Any:
         raise KVPolicyError(f"kvpolicy: the vLLM integration runs models whose layers are all full attention; "
                             f"this one has a {type(spec).__name__} layer: serve it without kvpolicy")
     plan = engine.plan
-    return KVPolicySpec.from_spec(spec, plan.rules, plan.slack, plan.evict_during_prefill, plan.step_tokens)
+    return KVPolicySpec.from_spec(spec, plan.rules, plan.slack, plan.evict_during_prefill, plan.step_tokens,
+                                  reserve=plan.preemption == "never")

@@ -61,8 +61,28 @@ def engine_from_config(vllm_config: Any) -> Engine:
             logger.info("kvpolicy: recipe %r evicts nothing; vLLM runs with its full cache", settings.recipe)
         else:
             logger.info("kvpolicy: %s (block size %d)", plan.describe(), vllm_config.cache_config.block_size)
+            for reason in load_dependence(plan, vllm_config.scheduler_config):
+                logger.warning("kvpolicy: answers may depend on load: %s", reason)
     _ENGINE = Engine(settings, plan, fingerprint)
     return _ENGINE
+
+
+def load_dependence(plan: PagedPlan, scheduler_config: Any) -> list[str]:
+    """Why a greedy answer could differ from the same request's answer alone under this configuration (none: it
+    cannot). Said at start-up: the guarantee holds only where both the admission and the eviction points are
+    independent of what else the engine runs."""
+    reasons = []
+    if plan.preemption == "recompute":
+        reasons.append("preemption: recompute; a request vLLM preempts is recomputed from its prompt and output and "
+                       "evicted anew, which keeps other tokens than its run alone (the default, preemption: never, "
+                       "admits requests so that none is preempted)")
+    evicts_in_prefill = plan.evict_during_prefill or all(rule.tokens is not None for rule in plan.rules)
+    if evicts_in_prefill and getattr(scheduler_config, "enable_chunked_prefill", True):
+        reasons.append("evictions between a prompt's chunks (evict_during_prefill, or budgets in tokens) fall where "
+                       "vLLM's chunked prefill splits the prompt, which depends on the other requests of the step; "
+                       "a ratio budget without evict_during_prefill, or --no-enable-chunked-prefill, evicts a "
+                       "prompt only once it is in")
+    return reasons
 
 
 def rank_heads(total: int, tp_size: int, tp_rank: int) -> range:

@@ -28,14 +28,30 @@ def arena_blocks(budget: int, block_size: int) -> int:
     return -(-budget // block_size)
 
 
-def peak_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, tokens: int, step_tokens: int) -> int:
-    """The most blocks a request of ``tokens`` (its prompt, at admission) ever holds when it evicts during prefill,
-    at most ``step_tokens`` a step: each rule's arena, plus what came in since that rule's last eviction (at most
-    its slack: a step that evicts frees what it empties at once) and the chunk about to come, plus the blocks those
-    straddle. The scheduler admits a request when this many blocks are free, not its whole prompt's."""
-    since_eviction = slack + 1 + step_tokens
-    most = max(arena_blocks(rule.limit_for(tokens), block_size) for rule in rules)
-    return min(most + -(-since_eviction // block_size) + 1, -(-tokens // block_size))
+def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_tokens: int, total_tokens: int,
+                step_tokens: int | None = None, evict_during_prefill: bool = False) -> int:
+    """The most blocks a request ever holds, whatever vLLM's chunking: ``prompt_tokens`` come in at most
+    ``step_tokens`` a step (vLLM's max_num_batched_tokens; None: at once), then one a step up to ``total_tokens``
+    (the prompt and its ``max_tokens``, within max_model_len). Once every rule has evicted, a request holds the
+    largest arena, what came in since the oldest of the rules' last evictions (at most the slack, as the step that
+    passes it evicts) and one step's tokens, plus a block those straddle; before, or while a ratio budget waits
+    for the whole prompt, it holds everything it has. `spec.KVPolicyManager` reserves this for each request."""
+    whole = -(-total_tokens // block_size)
+    budgets = [rule.limit_for(prompt_tokens) for rule in rules]
+    if not budgets or any(budget is None for budget in budgets):
+        return whole
+    arena = max(arena_blocks(budget, block_size) for budget in budgets)
+
+    def evicting(step: int) -> int:
+        return arena + -(-(slack + 1 + step) // block_size) + 1
+
+    prompt_blocks = -(-prompt_tokens // block_size)
+    # blocks are freed only once every rule has evicted; a ratio budget without evict_during_prefill never does
+    # while the prompt comes in
+    evicts_in_prefill = evict_during_prefill or all(rule.tokens is not None for rule in rules)
+    prefill = min(prompt_blocks, evicting(step_tokens or prompt_tokens)) if evicts_in_prefill else prompt_blocks
+    decode = evicting(1) if total_tokens > prompt_tokens else 0
+    return min(whole, max(prefill, decode))
 
 
 @dataclass

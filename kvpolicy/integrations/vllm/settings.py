@@ -21,7 +21,11 @@ from ...registry import Registry, get_registry
 from .paged import defers_statistics
 
 CONFIG_KEY = "kvpolicy"
-SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill")
+SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill", "preemption")
+#: ``never``: a request is admitted only when it can reach its most blocks beside the running ones, so vLLM never
+#: preempts one and an answer does not depend on load; ``recompute``: vLLM's own admission (more requests at once),
+#: a preempted request recomputed from its tokens and evicted anew, its answer then possibly not its answer alone
+PREEMPTION = ("never", "recompute")
 PREFIX = f"vLLM additional_config[{CONFIG_KEY!r}]"
 BUDGET_KEY = f"{PREFIX}['budget']"
 
@@ -37,6 +41,7 @@ class Settings:
     #: a ratio budget resolves from the prompt's length when the request arrives, so a long prompt evicts between the
     #: chunks of vLLM's chunked prefill (as a token budget does) instead of holding all of its blocks until it is in
     evict_during_prefill: bool = False
+    preemption: str = "never"  # one of PREEMPTION
 
 
 def read_settings(additional_config: Any) -> Settings | None:
@@ -64,7 +69,13 @@ def read_settings(additional_config: Any) -> Settings | None:
     during_prefill = raw.get("evict_during_prefill", False)
     if type(during_prefill) is not bool:
         raise KVPolicyError(f"{PREFIX}['evict_during_prefill'] must be true or false, got {during_prefill!r}")
-    return Settings(recipe=recipe, budget=budget, slack=slack, evict_during_prefill=during_prefill)
+    preemption = raw.get("preemption", "never")
+    if preemption not in PREEMPTION:
+        raise KVPolicyError(f"{PREFIX}['preemption'] must be 'never' (requests admitted only when none will need "
+                            "preempting: answers independent of load) or 'recompute' (vLLM's own admission), got "
+                            f"{preemption!r}")
+    return Settings(recipe=recipe, budget=budget, slack=slack, evict_during_prefill=during_prefill,
+                    preemption=preemption)
 
 
 @dataclass
@@ -85,6 +96,7 @@ class PagedPlan:
     slack: int
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
     step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
+    preemption: str = "never"  # `Settings.preemption`
 
     @property
     def needs_statistics(self) -> bool:
@@ -161,7 +173,7 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
     slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
     return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack,
-                     evict_during_prefill=settings.evict_during_prefill)
+                     evict_during_prefill=settings.evict_during_prefill, preemption=settings.preemption)
 
 
 def _check_policy(policy: Policy, where: str, layer: int) -> None:

@@ -4,17 +4,28 @@ vLLM's scheduler never sees attention; it sees how many tokens each request has 
 it. That is all `schedule.RequestSchedule` needs to know when the worker evicts, so the manager runs the same
 rule and returns the emptied blocks to the pool (as vLLM's sliding-window managers do with blocks that left
 their window), one step after the eviction that emptied them.
+
+It also decides admission so that vLLM never has to preempt a request: vLLM recomputes a preempted request as one
+prefill of its prompt and output, which rebuilds the policy's state differently (which tokens each head kept,
+H2O's sums, K/V once computed over an evicted cache), so its answer would depend on what else the server ran. A
+request whose blocks are bounded (`schedule.most_blocks`) is admitted only when its bound is free beside what the
+running requests may still take up to theirs (TensorRT-LLM's guaranteed-no-evict scheduling, cheap here because
+evicting requests' bounds are small). ``preemption: recompute`` in the entry turns this off.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, fields
 
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...recipe.budget import Budget
-from .schedule import RequestSchedule, peak_blocks
+from .schedule import RequestSchedule, most_blocks
+
+logger = logging.getLogger("vllm.kvpolicy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,23 +36,27 @@ class KVPolicySpec(FullAttentionSpec):
     kvpolicy_slack: int = 0
     kvpolicy_evict_during_prefill: bool = False
     kvpolicy_step_tokens: int | None = None
+    kvpolicy_reserve: bool = True  # admit a request only when it and the running ones can reach their bounds
 
     @classmethod
     def from_spec(cls, spec: FullAttentionSpec, rules: tuple[Budget, ...], slack: int,
-                  evict_during_prefill: bool = False, step_tokens: int | None = None) -> KVPolicySpec:
+                  evict_during_prefill: bool = False, step_tokens: int | None = None,
+                  reserve: bool = True) -> KVPolicySpec:
         given = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**given, kvpolicy_rules=tuple((r.tokens, r.ratio) for r in rules), kvpolicy_slack=slack,
-                   kvpolicy_evict_during_prefill=evict_during_prefill, kvpolicy_step_tokens=step_tokens)
+                   kvpolicy_evict_during_prefill=evict_during_prefill, kvpolicy_step_tokens=step_tokens,
+                   kvpolicy_reserve=reserve)
 
     @classmethod
     def merge(cls, specs: list[KVPolicySpec]) -> KVPolicySpec:
-        policies = {(s.kvpolicy_rules, s.kvpolicy_slack, s.kvpolicy_evict_during_prefill, s.kvpolicy_step_tokens)
-                    for s in specs}
+        policies = {(s.kvpolicy_rules, s.kvpolicy_slack, s.kvpolicy_evict_during_prefill, s.kvpolicy_step_tokens,
+                     s.kvpolicy_reserve) for s in specs}
         if len(policies) != 1:
             raise ValueError(f"kvpolicy: the layers of one KV cache group disagree on their budgets: {policies}")
         base = FullAttentionSpec.merge(specs)
-        rules, slack, during_prefill, step_tokens = policies.pop()
-        return cls.from_spec(base, tuple(Budget(*rule) for rule in rules), slack, during_prefill, step_tokens)
+        rules, slack, during_prefill, step_tokens, reserve = policies.pop()
+        return cls.from_spec(base, tuple(Budget(*rule) for rule in rules), slack, during_prefill, step_tokens,
+                             reserve)
 
     def rules(self) -> tuple[Budget, ...]:
         return tuple(Budget(*rule) for rule in self.kvpolicy_rules)
@@ -49,7 +64,8 @@ class KVPolicySpec(FullAttentionSpec):
 
 class KVPolicyManager(FullAttentionManager):
     """Frees the blocks a request's evictions emptied (`RequestSchedule.empty_blocks`), replaced by the null block, at
-    the start of the step whose eviction empties them."""
+    the start of the step whose eviction empties them; admits a request only when its bound is free beside what the
+    running ones may still take (unless ``reserve`` is off)."""
 
     def __init__(self, kv_cache_spec: KVPolicySpec, **kwargs) -> None:
         super().__init__(kv_cache_spec, **kwargs)
@@ -57,24 +73,55 @@ class KVPolicyManager(FullAttentionManager):
         self.slack = kv_cache_spec.kvpolicy_slack
         self.evict_during_prefill = kv_cache_spec.kvpolicy_evict_during_prefill
         self.step_tokens = kv_cache_spec.kvpolicy_step_tokens
+        self.reserve = kv_cache_spec.kvpolicy_reserve
         self.schedules: dict[str, RequestSchedule] = {}
+        self.bounds: dict[str, int] = {}  # each request's `most_blocks`, from its sizes (`note_request`)
+        self.overruns = 0  # allocations past a request's bound: a bug in `most_blocks` (vLLM may then preempt)
+        _note_requests_at_allocation()
+
+    def note_request(self, request_id: str, prompt_tokens: int, total_tokens: int) -> None:
+        if request_id not in self.bounds:
+            self.bounds[request_id] = most_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
+                                                  total_tokens, self.step_tokens, self.evict_during_prefill)
+
+    def held(self, request_id: str) -> int:
+        return sum(1 for block in self.req_to_blocks.get(request_id, ()) if not block.is_null)
+
+    def still_to_take(self, but: str) -> int:
+        """Blocks the requests holding some (all but ``but``) may still take before they reach their bounds."""
+        total = 0
+        for request_id, bound in self.bounds.items():
+            held = self.held(request_id) if request_id != but else 0
+            if held:
+                total += max(bound - held, 0)
+        return total
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, *args, apply_admission_cap: bool = False,
                                    **kwargs) -> int:
+        needed = super().get_num_blocks_to_allocate(request_id, num_tokens, *args,
+                                                    apply_admission_cap=apply_admission_cap, **kwargs)
+        bound = self.bounds.get(request_id)
+        if bound is None or self.held(request_id):  # running: its growth was reserved when it was admitted
+            return needed
+        if self.reserve:
+            # what must be free to admit it: its bound, which may be less than the whole prompt vLLM asks for
+            # (`apply_admission_cap`) when it evicts during prefill, and what the running ones may still take
+            own = bound if apply_admission_cap else max(needed, bound)
+            return own + self.still_to_take(but=request_id)
         # vLLM admits a request when its whole prompt fits (scheduler_reserve_full_isl); one that evicts during
-        # prefill never holds its whole prompt: cap what it must find free at its peak (`schedule.peak_blocks`), as
-        # vLLM caps a sliding-window request's
-        if not (apply_admission_cap and self.evict_during_prefill and self.step_tokens):
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args,
-                                                      apply_admission_cap=apply_admission_cap, **kwargs)
-        saved = self.max_admission_blocks_per_request
-        self.max_admission_blocks_per_request = peak_blocks(self.rules, self.slack, self.block_size, num_tokens,
-                                                            self.step_tokens)
-        try:
-            return super().get_num_blocks_to_allocate(request_id, num_tokens, *args, apply_admission_cap=True,
-                                                      **kwargs)
-        finally:
-            self.max_admission_blocks_per_request = saved
+        # prefill never holds it all: cap it at its bound, as vLLM caps a sliding-window request's
+        return min(needed, bound) if apply_admission_cap else needed
+
+    def allocate_new_blocks(self, request_id: str, *args, **kwargs) -> list:
+        blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
+        bound = self.bounds.get(request_id)
+        if self.reserve and bound is not None and self.held(request_id) > bound:
+            self.overruns += 1
+            if self.overruns == 1:
+                logger.warning("kvpolicy: request %s holds %d KV blocks, more than the %d it was admitted for; "
+                               "vLLM may have to preempt it (please report this)", request_id,
+                               self.held(request_id), bound)
+        return blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
@@ -95,4 +142,26 @@ class KVPolicyManager(FullAttentionManager):
 
     def free(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
+        self.bounds.pop(request_id, None)
         super().free(request_id)
+
+
+def _note_requests_at_allocation() -> None:
+    """Wrap vLLM's ``KVCacheManager.allocate_slots`` so that kvpolicy's managers learn each request's prompt length
+    and ``max_tokens`` (their own methods see request ids only). Idempotent."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    original = KVCacheManager.allocate_slots
+    if getattr(original, "_kvpolicy", False):
+        return
+
+    @functools.wraps(original)
+    def allocate_slots(self, request, *args, **kwargs):
+        total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        for manager in self.coordinator.single_type_managers:
+            if isinstance(manager, KVPolicyManager):
+                manager.note_request(request.request_id, request.num_prompt_tokens, total)
+        return original(self, request, *args, **kwargs)
+
+    allocate_slots._kvpolicy = True
+    KVCacheManager.allocate_slots = allocate_slots
