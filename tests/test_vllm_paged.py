@@ -404,10 +404,11 @@ def test_evicting_during_prefill_resolves_a_ratio_from_the_prompt_length_and_evi
     assert (lo, hi) == (during.arena(0), 896 // 32)  # the blocks the last eviction emptied, freed a step later
 
 
-def most_held(schedule: RequestSchedule, prompt: int, total: int, chunks: list[int], block: int) -> int:
+def most_held(schedule: RequestSchedule, prompt: int, total: int, chunks: list[int], block: int) -> tuple[int, int]:
     """The most blocks a request holds, fed ``chunks`` of its prompt and then a token a step up to ``total``, the
-    manager freeing what each step's eviction empties at that step's start (`KVPolicyManager.remove_skipped_blocks`)."""
-    freed, most, done, chunks = set(), 0, 0, iter(chunks)
+    manager freeing what each step's eviction empties at that step's start (`KVPolicyManager.remove_skipped_blocks`);
+    and the most once its prompt is in."""
+    freed, most, decoding, done, chunks = set(), 0, 0, 0, iter(chunks)
     while done < total:
         count = min(next(chunks, prompt), prompt - done) if done < prompt else 1
         schedule.start_step(done, prefilling=done < prompt, prompt_tokens=prompt)
@@ -415,8 +416,10 @@ def most_held(schedule: RequestSchedule, prompt: int, total: int, chunks: list[i
         freed |= set(range(lo, hi))
         allocated = -(-(done + count) // block)  # the logical blocks this step's tokens need
         most = max(most, len(set(range(allocated)) - freed))
+        if done >= prompt:
+            decoding = max(decoding, len(set(range(allocated)) - freed))
         done += count
-    return most
+    return most, decoding
 
 
 @pytest.mark.parametrize("prompt,chunk,rules,during_prefill", [
@@ -433,12 +436,15 @@ def test_most_blocks_bounds_what_a_request_holds_whatever_the_chunking(prompt, c
     block, slack, new = 32, 31, 200
     bound = most_blocks(rules, slack, block, prompt, prompt + new, chunk, during_prefill)
     rng = random.Random(prompt)
-    most = 0
+    most = decoding = 0
     for trial in range(12):
         chunks = [chunk] * (prompt // chunk + 1) if trial == 0 else [rng.randint(1, chunk) for _ in range(prompt)]
         schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during_prefill)
-        most = max(most, most_held(schedule, prompt, prompt + new, chunks, block))
+        held = most_held(schedule, prompt, prompt + new, chunks, block)
+        most, decoding = max(most, held[0]), max(decoding, held[1])
     assert most <= bound < most + 6, (most, bound)
+    # what the manager reserves for a request once its prompt is in
+    assert decoding <= most_blocks(rules, slack, block, prompt, prompt + new, 1, True) < decoding + 4
     if during_prefill and 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for
         assert bound < -(-prompt // block) * 0.7
     assert most_blocks(rules, slack, block, prompt, prompt + 10, chunk, during_prefill) <= -(-(prompt + 10) // block)

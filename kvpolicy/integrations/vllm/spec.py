@@ -76,6 +76,7 @@ class KVPolicyManager(FullAttentionManager):
         self.reserve = kv_cache_spec.kvpolicy_reserve
         self.schedules: dict[str, RequestSchedule] = {}
         self.bounds: dict[str, int] = {}  # each request's `most_blocks`, from its sizes (`note_request`)
+        self.decode_bounds: dict[str, int] = {}  # the same once its prompt is in: one token a step
         self.overruns = 0  # allocations past a request's bound: a bug in `most_blocks` (vLLM may then preempt)
         _note_requests_at_allocation()
 
@@ -83,6 +84,8 @@ class KVPolicyManager(FullAttentionManager):
         if request_id not in self.bounds:
             self.bounds[request_id] = most_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
                                                   total_tokens, self.step_tokens, self.evict_during_prefill)
+            self.decode_bounds[request_id] = most_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
+                                                         total_tokens, 1, True)
 
     def held(self, request_id: str) -> int:
         return sum(1 for block in self.req_to_blocks.get(request_id, ()) if not block.is_null)
@@ -93,6 +96,11 @@ class KVPolicyManager(FullAttentionManager):
         for request_id, bound in self.bounds.items():
             held = self.held(request_id) if request_id != but else 0
             if held:
+                # a decoding request only grows to its decode bound, far below its prefill's peak
+                schedule = self.schedules.get(request_id)
+                if schedule is not None and schedule.prompt_tokens is not None \
+                        and schedule.last_start >= schedule.prompt_tokens:
+                    bound = self.decode_bounds[request_id]
                 total += max(bound - held, 0)
         return total
 
@@ -143,6 +151,7 @@ class KVPolicyManager(FullAttentionManager):
     def free(self, request_id: str) -> None:
         self.schedules.pop(request_id, None)
         self.bounds.pop(request_id, None)
+        self.decode_bounds.pop(request_id, None)
         super().free(request_id)
 
 
