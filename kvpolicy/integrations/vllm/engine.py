@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from ...errors import KVPolicyError
+from .schedule import evicts_during_prefill
 from .settings import PREFIX, PagedLayer, PagedPlan, Settings, paged_plan, read_settings
 
 logger = logging.getLogger("vllm.kvpolicy")
@@ -76,8 +77,7 @@ def load_dependence(plan: PagedPlan, scheduler_config: Any) -> list[str]:
         reasons.append("preemption: recompute; a request vLLM preempts is recomputed from its prompt and output and "
                        "evicted anew, which keeps other tokens than its run alone (the default, preemption: never, "
                        "admits requests so that none is preempted)")
-    evicts_in_prefill = plan.evict_during_prefill or all(rule.tokens is not None for rule in plan.rules)
-    if evicts_in_prefill and getattr(scheduler_config, "enable_chunked_prefill", True):
+    if evicts_during_prefill(plan.rules, plan.evict_during_prefill) and getattr(scheduler_config, "enable_chunked_prefill", True):
         reasons.append("evictions between a prompt's chunks (evict_during_prefill, or budgets in tokens) fall where "
                        "vLLM's chunked prefill splits the prompt, which depends on the other requests of the step; "
                        "a ratio budget without evict_during_prefill, or --no-enable-chunked-prefill, evicts a "

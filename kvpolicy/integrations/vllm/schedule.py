@@ -28,6 +28,12 @@ def arena_blocks(budget: int, block_size: int) -> int:
     return -(-budget // block_size)
 
 
+def evicts_during_prefill(rules: tuple[Budget, ...], evict_during_prefill: bool) -> bool:
+    """Whether a request frees blocks while its prompt comes in: blocks are freed only once every rule has evicted,
+    and a ratio budget without ``evict_during_prefill`` waits for the whole prompt."""
+    return evict_during_prefill or all(rule.tokens is not None for rule in rules)
+
+
 def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_tokens: int, total_tokens: int,
                 step_tokens: int | None = None, evict_during_prefill: bool = False) -> int:
     """The most blocks a request ever holds, whatever vLLM's chunking: ``prompt_tokens`` come in at most
@@ -46,10 +52,8 @@ def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_t
         return arena + -(-(slack + 1 + step) // block_size) + 1
 
     prompt_blocks = -(-prompt_tokens // block_size)
-    # blocks are freed only once every rule has evicted; a ratio budget without evict_during_prefill never does
-    # while the prompt comes in
-    evicts_in_prefill = evict_during_prefill or all(rule.tokens is not None for rule in rules)
-    prefill = min(prompt_blocks, evicting(step_tokens or prompt_tokens)) if evicts_in_prefill else prompt_blocks
+    prefill = (min(prompt_blocks, evicting(step_tokens or prompt_tokens))
+               if evicts_during_prefill(rules, evict_during_prefill) else prompt_blocks)
     decode = evicting(1) if total_tokens > prompt_tokens else 0
     return min(whole, max(prefill, decode))
 
@@ -105,6 +109,11 @@ class RequestSchedule:
             decision.append(evict)
         self.started, self.last_start, self.last_decision = True, start, tuple(decision)
         return self.last_decision
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the request's prompt is in: its last step start is at or past it."""
+        return self.prompt_tokens is not None and self.last_start >= self.prompt_tokens
 
     def arena(self, rule: int) -> int:
         """Arena blocks of a rule (0 while its budget is unknown)."""

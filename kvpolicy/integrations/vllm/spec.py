@@ -98,8 +98,7 @@ class KVPolicyManager(FullAttentionManager):
             if held:
                 # a decoding request only grows to its decode bound, far below its prefill's peak
                 schedule = self.schedules.get(request_id)
-                if schedule is not None and schedule.prompt_tokens is not None \
-                        and schedule.last_start >= schedule.prompt_tokens:
+                if schedule is not None and schedule.decoding:
                     bound = self.decode_bounds[request_id]
                 total += max(bound - held, 0)
         return total
@@ -123,12 +122,12 @@ class KVPolicyManager(FullAttentionManager):
     def allocate_new_blocks(self, request_id: str, *args, **kwargs) -> list:
         blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
         bound = self.bounds.get(request_id)
-        if self.reserve and bound is not None and self.held(request_id) > bound:
+        held = self.held(request_id) if self.reserve and bound is not None else None
+        if held is not None and held > bound:
             self.overruns += 1
             if self.overruns == 1:
                 logger.warning("kvpolicy: request %s holds %d KV blocks, more than the %d it was admitted for; "
-                               "vLLM may have to preempt it (please report this)", request_id,
-                               self.held(request_id), bound)
+                               "vLLM may have to preempt it (please report this)", request_id, held, bound)
         return blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
