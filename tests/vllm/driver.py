@@ -92,8 +92,9 @@ def run(job):
 
 
 def run_under_load(llm, job, params) -> dict:
-    """All prompts at once through the engine's own loop; after ``abort.after_steps`` steps, the requests
-    ``abort.requests`` are aborted mid-way. Reports what finished, how often vLLM preempted a request, and the KV
+    """The prompts through the engine's own loop, each added at its step of ``arrive_at_step`` (all at once without
+    it) with its ``priorities`` entry; after ``abort.after_steps`` steps, the requests ``abort.requests`` are aborted
+    mid-way. Reports what finished, how often vLLM preempted a request, and the KV
     blocks still held once nothing runs (read from the block pool and from the manager's per-request tables)."""
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
@@ -101,15 +102,25 @@ def run_under_load(llm, job, params) -> dict:
     original = scheduler._preempt_request
 
     def preempt(request, *args, **kwargs):
-        preempted.append(request.request_id)
+        preempted.append({"request": request.request_id, "generated": request.num_output_tokens,
+                          "computed": request.num_computed_tokens})
         return original(request, *args, **kwargs)
 
     scheduler._preempt_request = preempt
-    for index, ids in enumerate(job["prompts"]):
-        engine.add_request(str(index), {"prompt_token_ids": ids}, params)
+    count = len(job["prompts"])
+    priorities, arrivals = job.get("priorities") or [0] * count, job.get("arrive_at_step") or [0] * count
+
+    def arrive(step: int) -> None:
+        for index, (ids, priority, at) in enumerate(zip(job["prompts"], priorities, arrivals, strict=True)):
+            if at == step:
+                engine.add_request(str(index), {"prompt_token_ids": ids}, params, priority=priority)
+
+    arrive(0)
     aborted = [str(index) for index in job["abort"]["requests"]]
     tokens, finished, steps = {}, set(), 0
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or steps < max(arrivals):
+        if steps:
+            arrive(steps)
         for out in engine.step():
             tokens[out.request_id] = list(out.outputs[0].token_ids)
             if out.finished:
