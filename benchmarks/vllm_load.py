@@ -5,7 +5,8 @@ fixed KV cache (``--kv-blocks`` blocks of 32 tokens) takes ``--requests`` comple
 token-id prompts of mixed lengths cut from CPython's docs, each sent several times, half of them streamed, and a
 share of the streamed ones dropped by the client mid-stream. It measures the requests completed / failed / aborted,
 vLLM's preemptions, time to first token and per-token latency (streamed requests), throughput, the KV blocks still
-held once the load has drained, the server's memory (RSS of its process tree) after warm-up and at the end, and
+held once the load has drained, the server's memory (RSS of its process tree) after warm-up, each time a tenth of
+the requests has ended, and at the end (flat: the end within 5% of the sample after the load's first fifth), and
 whether each greedy answer equals the answer to the same prompt sent alone to the same server afterwards (for an
 aborted request: is a prefix of it):
 
@@ -350,11 +351,19 @@ async def measure(server: Server, config: Config, prompts: list[list[int]], args
         if any(o.status != "completed" for o in warm):
             raise ServerError(f"the warm-up failed: {[o.error for o in warm]}")
         memory_warm = server.memory_mib()
+        # the server's memory each time another tenth of the requests has ended: a leak grows with the requests
+        # served, while allocator pools and caches settle during the load's first part
+        trajectory: list[dict] = []
+        ended = 0
 
         async def in_turn(outcome: Outcome) -> None:
+            nonlocal ended
             async with slots:  # FIFO: each request starts as soon as one before it is done
                 body = request_body(model, prompts[outcome.prompt], args.new_tokens, outcome.stream)
                 await send(session, server, body, outcome)
+            ended += 1
+            if ended * 10 // len(outcomes) > len(trajectory):
+                trajectory.append({"requests_ended": ended, **server.memory_mib()})
 
         start = time.perf_counter()
         await asyncio.gather(*(in_turn(outcome) for outcome in outcomes))
@@ -403,6 +412,11 @@ async def measure(server: Server, config: Config, prompts: list[list[int]], args
         "rss_warm_mib": memory_warm["rss"], "rss_end_mib": memory_end["rss"],
         "rss_change_pct": round(100 * (memory_end["rss"] / memory_warm["rss"] - 1), 1),
         "pss_warm_mib": memory_warm["pss"], "pss_end_mib": memory_end["pss"],
+        # from the sample after the load's first fifth (the load's own warm-up: every prompt length seen) to the end
+        "rss_fifth_mib": trajectory[1]["rss"] if len(trajectory) > 1 else None,
+        "rss_change_after_fifth_pct": (round(100 * (memory_end["rss"] / trajectory[1]["rss"] - 1), 1)
+                                       if len(trajectory) > 1 else None),
+        "memory_trajectory": trajectory,
         "differing": sum(not o.matches_alone for o in compared), "compared": len(compared),
         "differing_requests": [f"#{o.index} ({o.status}, prompt {o.prompt})" for o in compared if not o.matches_alone],
         "outcomes": [asdict(o) for o in outcomes],
@@ -411,7 +425,7 @@ async def measure(server: Server, config: Config, prompts: list[list[int]], args
 
 def print_table(rows: list[dict]) -> None:
     header = ["config", "done/failed/aborted", "preempt", "TTFT p50/p99 s", "tok p50/p99 ms", "seconds", "out tok/s",
-              "held blocks", "RSS warm/end MiB (change)", "differing"]
+              "held blocks", "RSS warm/end MiB (change)", "RSS 1/5/end (change)", "differing"]
     lines = [header]
     for row in rows:
         if "error" in row:
@@ -422,6 +436,8 @@ def print_table(rows: list[dict]) -> None:
             f"{row['ttft_p50_s']}/{row['ttft_p99_s']}", f"{row['per_token_p50_ms']}/{row['per_token_p99_ms']}",
             str(row["seconds"]), str(row["output_tokens_per_s"]), str(row["blocks_held_at_end"]),
             f"{row['rss_warm_mib']:.0f}/{row['rss_end_mib']:.0f} ({row['rss_change_pct']:+.1f}%)",
+            (f"{row['rss_fifth_mib']:.0f}/{row['rss_end_mib']:.0f} ({row['rss_change_after_fifth_pct']:+.1f}%)"
+             if row["rss_fifth_mib"] is not None else "-"),
             f"{row['differing']}/{row['compared']}"])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for line in lines:
