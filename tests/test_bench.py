@@ -138,3 +138,22 @@ def test_long_stream_memory_stays_at_the_budget(tiny, tmp_path):
     assert 0 <= summary["allocated_over_budget"] <= 0.01  # budget + the next token + the scratch slot
     assert summary["allocated_spread"] == 0.0 and summary["flat"] is True
     assert (out / "stream-memory.png").stat().st_size > 0
+
+
+def test_bench_engine_vllm_passes_its_options_to_the_capacity_benchmark(tmp_path):
+    """`kvpolicy bench --engine vllm` relays its options to the benchmark the vLLM environment runs, which must
+    read them back: the admission of the recipes (--preemption) included."""
+    from kvpolicy.commands.bench_vllm import capacity_arguments
+    from kvpolicy.commands.cli import build_parser
+    from kvpolicy.integrations.vllm import capacity
+
+    args = build_parser().parse_args(["bench", "--engine", "vllm", "--recipes", "full", "h2o", "--max-batch", "6",
+                                      "--preemption", "never", "recompute", "--prefill-chunk", "128",
+                                      "--evict-during-prefill", "--tensor-parallel-size", "2"])
+    args.max_batch_given = True
+    (tmp_path / "config.json").write_text("{}")
+    relayed = capacity.parse_args([*capacity_arguments(args), "--model", str(tmp_path)])
+    assert relayed.preemption == ["never", "recompute"] and relayed.recipes == ["full", "h2o"]
+    assert (relayed.requests, relayed.prefill_chunk, relayed.tensor_parallel_size) == (6, 128, 2)
+    assert relayed.evict_during_prefill
+    assert capacity.parse_args(["--model", str(tmp_path)]).preemption == ["never"]  # kvpolicy's default admission

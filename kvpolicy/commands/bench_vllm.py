@@ -48,6 +48,8 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if args.compiled:
         argv += ["--compiled"]
+    if args.preemption:
+        argv += ["--preemption", *args.preemption]
     if args.out:
         argv += ["--out", args.out]
     return argv

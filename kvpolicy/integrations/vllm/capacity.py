@@ -47,6 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "at most this many (default: vLLM's own)")
     parser.add_argument("--evict-during-prefill", action="store_true",
                         help="recipes evict between a prompt's chunks (the entry's evict_during_prefill)")
+    parser.add_argument("--preemption", nargs="+", default=["never"], choices=["never", "recompute"],
+                        help="the recipes' admission (the entry's `preemption`): `never` admits a request only when "
+                             "its most blocks are free, so vLLM never preempts; `recompute` is vLLM's own, the full "
+                             "cache's, which may preempt. Two values run each recipe under both")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks that split the model's KV heads (vLLM's tensor_parallel_size); on vLLM's CPU "
@@ -123,7 +127,8 @@ def bind_cores(ranks: int) -> None:
             f"{span[0]}-{span[-1]}" if len(span) > 1 else f"{span[0]}" for span in spans)
 
 
-def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, blocks: int) -> dict:
+def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, blocks: int,
+               preemption: str = "never") -> dict:
     from vllm import LLM, SamplingParams
 
     engine_args = {"dtype": args.dtype, "enforce_eager": not args.compiled, "enable_prefix_caching": False,
@@ -140,7 +145,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     if args.prefill_chunk:
         engine_args["max_num_batched_tokens"] = args.prefill_chunk
     if recipe != "full":
-        engine_args["additional_config"] = {"kvpolicy": {"recipe": recipe,
+        engine_args["additional_config"] = {"kvpolicy": {"recipe": recipe, "preemption": preemption,
                                                          "evict_during_prefill": args.evict_during_prefill}}
     llm = LLM(model=str(args.model), **engine_args)
     engine = llm.llm_engine
@@ -159,6 +164,14 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
         return output
 
     scheduler.schedule = schedule
+    preempted = []
+    original_preempt = scheduler._preempt_request
+
+    def preempt(request, *a, **kw):
+        preempted.append(request.request_id)
+        return original_preempt(request, *a, **kw)
+
+    scheduler._preempt_request = preempt
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()
     for index, ids in enumerate(prompts):
@@ -182,14 +195,16 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
                 finished[out.request_id] = now - start
         step_times.append((now - before, new_tokens))
     total = time.perf_counter() - start
-    scheduler.schedule = original
+    scheduler.schedule, scheduler._preempt_request = original, original_preempt
     del llm
     records = steps[: len(step_times)]
     decode = [(seconds, tokens) for (seconds, tokens), step in zip(step_times, records, strict=True)
               if not step["prefill"] and tokens]
     decode_seconds = sum(s for s, _ in decode)
     return {
-        "config": recipe, "requests": len(prompts), "kv_blocks": pool.num_gpu_blocks - 1,  # less the null block
+        "config": recipe if recipe == "full" or preemption == "never" else f"{recipe} ({preemption})",
+        "preemption": "recompute" if recipe == "full" else preemption, "preemptions": len(preempted),
+        "requests": len(prompts), "kv_blocks": pool.num_gpu_blocks - 1,  # less the null block
         "block_size": args.block_size, "prefill_chunk": args.prefill_chunk or None,
         "tensor_parallel_size": args.tensor_parallel_size, "compiled": args.compiled,
         "evict_during_prefill": args.evict_during_prefill and recipe != "full",
@@ -329,10 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.kv_blocks or math.ceil(2.5 * (args.prompt_tokens + args.new_tokens) / args.block_size)
     args.out.mkdir(parents=True, exist_ok=True)
     bind_cores(args.tensor_parallel_size)
-    rows = [run_config(recipe, prompts, args, blocks) for recipe in args.recipes]
+    rows = [run_config(recipe, prompts, args, blocks, preemption) for recipe in args.recipes
+            for preemption in (["recompute"] if recipe == "full" else dict.fromkeys(args.preemption))]
     full = next((row for row in rows if row["config"] == "full"), None)
-    header = ("config", "peak running", "peak blocks", "mean blocks", "decode tok/s", "end-to-end tok/s",
-              "TTFT median s", "TTFT max s")
+    header = ("config", "peak running", "peak blocks", "mean blocks", "preemptions", "decode tok/s",
+              "end-to-end tok/s", "TTFT median s", "TTFT max s")
     print(f"\n{args.requests} requests of {min(map(len, prompts))}-{max(map(len, prompts))} prompt tokens, "
           f"{args.new_tokens} new tokens each, {blocks} KV blocks of {args.block_size} tokens, {args.dtype}"
           + (f", prefill chunks of {args.prefill_chunk}" if args.prefill_chunk else "")
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             ratio = (f" ({row['peak_running'] / full['peak_running']:.1f}x running, "
                      f"{row['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f}x decode)")
         print(" | ".join(str(row[key]) for key in ("config", "peak_running", "peak_blocks", "mean_blocks",
-                                                   "decode_tokens_per_s", "end_to_end_tokens_per_s",
+                                                   "preemptions", "decode_tokens_per_s", "end_to_end_tokens_per_s",
                                                    "ttft_median_s", "ttft_max_s")) + ratio)
     print("\ndecode tok/s by requests in the step (tok/s, seconds spent there):")
     for row in rows:

@@ -39,9 +39,10 @@ def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_t
     """The most blocks a request ever holds, whatever vLLM's chunking: ``prompt_tokens`` come in at most
     ``step_tokens`` a step (vLLM's max_num_batched_tokens; None: at once), then one a step up to ``total_tokens``
     (the prompt and its ``max_tokens``, within max_model_len). Once every rule has evicted, a request holds the
-    largest arena, what came in since the oldest of the rules' last evictions (at most the slack, as the step that
-    passes it evicts) and one step's tokens, plus a block those straddle; before, or while a ratio budget waits
-    for the whole prompt, it holds everything it has. `spec.KVPolicyManager` reserves this for each request."""
+    largest arena and the blocks spanned by what came in since the oldest of the rules' last evictions (at most
+    the slack, as the step that passes it evicts) and one step's tokens: ``n`` tokens in a row touch at most
+    ``ceil((n - 1) / block_size) + 1`` blocks. Before, or while a ratio budget waits for the whole prompt, it holds
+    everything it has. `spec.KVPolicyManager` reserves this for each request."""
     whole = -(-total_tokens // block_size)
     budgets = [rule.limit_for(prompt_tokens) for rule in rules]
     if not budgets or any(budget is None for budget in budgets):
@@ -49,7 +50,7 @@ def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_t
     arena = max(arena_blocks(budget, block_size) for budget in budgets)
 
     def evicting(step: int) -> int:
-        return arena + -(-(slack + 1 + step) // block_size) + 1
+        return arena + -(-(slack + step - 1) // block_size) + 1
 
     prompt_blocks = -(-prompt_tokens // block_size)
     prefill = (min(prompt_blocks, evicting(step_tokens or prompt_tokens))

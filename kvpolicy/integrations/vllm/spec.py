@@ -90,6 +90,9 @@ class KVPolicyManager(FullAttentionManager):
     def held(self, request_id: str) -> int:
         return sum(1 for block in self.req_to_blocks.get(request_id, ()) if not block.is_null)
 
+    def holds_any(self, request_id: str) -> bool:
+        return any(not block.is_null for block in self.req_to_blocks.get(request_id, ()))
+
     def still_to_take(self, but: str) -> int:
         """Blocks the requests holding some (all but ``but``) may still take before they reach their bounds."""
         total = 0
@@ -108,7 +111,7 @@ class KVPolicyManager(FullAttentionManager):
         needed = super().get_num_blocks_to_allocate(request_id, num_tokens, *args,
                                                     apply_admission_cap=apply_admission_cap, **kwargs)
         bound = self.bounds.get(request_id)
-        if bound is None or self.held(request_id):  # running: its growth was reserved when it was admitted
+        if bound is None or self.holds_any(request_id):  # running: its growth was reserved when it was admitted
             return needed
         if self.reserve:
             # what must be free to admit it: its bound, which may be less than the whole prompt vLLM asks for
