@@ -92,6 +92,7 @@ NUMBER_CASES = [
     (["bench", "--tensor-parallel-size", "2"], "options of --engine vllm"),
     (["bench", "--compiled"], "options of --engine vllm"),
     (["bench", "--preemption", "recompute"], "options of --engine vllm"),
+    (["bench", "--prefix-caching"], "options of --engine vllm"),
     (["bench", "--engine", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size 0: must be at least 1"),
     (["bench", "--engine", "vllm", "--prefill-chunk", "0"], "--prefill-chunk 0: must be at least 1"),
 ]

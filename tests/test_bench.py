@@ -149,11 +149,28 @@ def test_bench_engine_vllm_passes_its_options_to_the_capacity_benchmark(tmp_path
 
     args = build_parser().parse_args(["bench", "--engine", "vllm", "--recipes", "full", "h2o", "--max-batch", "6",
                                       "--preemption", "never", "recompute", "--prefill-chunk", "128",
-                                      "--evict-during-prefill", "--tensor-parallel-size", "2"])
+                                      "--evict-during-prefill", "--tensor-parallel-size", "2",
+                                      "--shared-prefix-tokens", "600", "--prefix-caching"])
     args.max_batch_given = True
     (tmp_path / "config.json").write_text("{}")
     relayed = capacity.parse_args([*capacity_arguments(args), "--model", str(tmp_path)])
     assert relayed.preemption == ["never", "recompute"] and relayed.recipes == ["full", "h2o"]
     assert (relayed.requests, relayed.prefill_chunk, relayed.tensor_parallel_size) == (6, 128, 2)
-    assert relayed.evict_during_prefill
+    assert relayed.evict_during_prefill and relayed.prefix_caching and relayed.shared_prefix_tokens == 600
     assert capacity.parse_args(["--model", str(tmp_path)]).preemption == ["never"]  # kvpolicy's default admission
+
+
+def test_capacity_prompts_share_the_prefix_asked_for(tmp_path):
+    """`--shared-prefix-tokens N`: every prompt starts with the same N tokens and then differs, at the lengths the
+    benchmark spreads (+-20% of --prompt-tokens)."""
+    from kvpolicy.integrations.vllm import capacity
+
+    (tmp_path / "config.json").write_text("{}")
+    args = capacity.parse_args(["--model", str(tmp_path), "--requests", "4", "--prompt-tokens", "500",
+                                "--shared-prefix-tokens", "300"])
+    prompts = capacity.prompt_ids(lambda text: {"input_ids": list(range(200_000))}, args)
+    assert [len(p) for p in prompts] == [400, 467, 533, 600]
+    assert all(p[:300] == prompts[0][:300] for p in prompts)
+    assert len({p[300] for p in prompts}) == 4  # each then its own text
+    with pytest.raises(SystemExit):
+        capacity.parse_args(["--model", str(tmp_path), "--prompt-tokens", "500", "--shared-prefix-tokens", "450"])

@@ -95,7 +95,8 @@ def results(vllm_python, smollm2_dir, prompts, tmp_path_factory) -> dict[str, di
         "h2o pyramid": engine_job(smollm2_dir, {"recipe": H2O_PYRAMID}, prompts, NEW_TOKENS),
         "misspelt": engine_job(smollm2_dir, {"recipe": "h2oo"}, prompts[:1], 4),
         "adakv": engine_job(smollm2_dir, {"recipe": "adakv"}, prompts[:1], 4),
-        "prefix caching": engine_job(smollm2_dir, {"recipe": "h2o"}, prompts[:1], 4, enable_prefix_caching=True),
+        # TOVA's statistics are a step's last row, not a sum a cached prefix could be continued from
+        "prefix caching": engine_job(smollm2_dir, {"recipe": "tova"}, prompts[:1], 4, enable_prefix_caching=True),
         **{name: engine_job(smollm2_dir, {"recipe": name}, prompts[:1], 16) for name in OTHER_RECIPES},
     }
     return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm"), timeout=2400)
@@ -185,6 +186,91 @@ def load_results(vllm_python, smollm2_dir, tmp_path_factory) -> dict[str, dict]:
             for name, config in configs.items()}
     jobs["h2o alone"] = engine_job(smollm2_dir, {"recipe": H2O_YAML}, prompts, LOAD_NEW, **engine, max_num_seqs=1)
     return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm-load"), timeout=1800)
+
+
+#: a 1,000-token prefix that requests share (a system prompt, a document) and their own endings
+SHARED_PREFIX, PREFIX_NEW = 1000, 48
+STREAMING_YAML = str(ROOT / "recipes" / "streaming.yaml")
+
+
+def shared_prefix_prompts(smollm2_dir, prefixes: int, endings: int, prefix_tokens: int, ending_tokens: int):
+    import pydoc_data.topics
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text[:300_000])["input_ids"]
+    heads = [ids[4000 * i: 4000 * i + prefix_tokens] for i in range(prefixes)]
+    tails = [ids[30_000 + 500 * j: 30_000 + 500 * j + ending_tokens + 8 * j] for j in range(endings)]
+    return [head + tail for head in heads for tail in tails]
+
+
+@pytest.fixture(scope="session")
+def prefix_results(vllm_python, smollm2_dir, tmp_path_factory) -> dict[str, dict]:
+    """`streaming` with vLLM's prefix caching on and off. One prefix, three endings, one request after another (the
+    second and third find the first's prefix blocks in the cache); the same with evictions between the prompt's
+    chunks; and a load over three prefixes, each asked three times, in a pool too small to keep them all cached."""
+    one = shared_prefix_prompts(smollm2_dir, 1, 3, SHARED_PREFIX, 100)
+    jobs = {}
+    for caching in (True, False):
+        tag = "cached" if caching else "uncached"
+        for recipe in (STREAMING_YAML, H2O_YAML):
+            name = Path(recipe).stem
+            jobs[f"{name} {tag}"] = {**engine_job(smollm2_dir, {"recipe": recipe}, one, PREFIX_NEW,
+                                                  enable_prefix_caching=caching), "one_by_one": True}
+            jobs[f"{name} during prefill {tag}"] = {
+                **engine_job(smollm2_dir, {"recipe": recipe, "evict_during_prefill": True}, one, PREFIX_NEW,
+                             max_num_batched_tokens=256, enable_prefix_caching=caching), "one_by_one": True}
+    loaded = shared_prefix_prompts(smollm2_dir, 3, 3, 600, 60)
+    # each prefix twice in a row (the second finds it cached), then each once more, after the other two
+    loaded = [loaded[i] for i in (0, 1, 3, 4, 6, 7, 2, 5, 8)]
+    block_bytes = 2 * 30 * 3 * 64 * BLOCK * 4
+    engine = {"num_gpu_blocks_override": 44, "kv_cache_memory_bytes": 45 * block_bytes, "max_num_batched_tokens": 256,
+              "max_model_len": 1024}
+    for caching in (True, False):
+        for recipe in (STREAMING_YAML, H2O_YAML):
+            jobs[f"{Path(recipe).stem} load {'cached' if caching else 'uncached'}"] = {
+                **engine_job(smollm2_dir, {"recipe": recipe}, loaded, 32, enable_prefix_caching=caching, **engine),
+                "abort": {"after_steps": 10**9, "requests": []}, "arrive_at_step": [8 * i for i in range(len(loaded))]}
+    return run_driver(vllm_python, jobs, tmp_path_factory.mktemp("vllm-prefix"), timeout=1800)
+
+
+@pytest.mark.parametrize("name,hit", [
+    ("streaming", 992),  # the shared 1,000 tokens' 31 whole blocks
+    ("h2o", 768),  # H2O's sums are kept every 256 prompt tokens: the hit is cut to a multiple of 256
+    # evicting between chunks of 256 at 20% of ~1,100 tokens, slack 31: the first eviction comes at token 256
+    ("streaming during prefill", 256), ("h2o during prefill", 256),
+])
+def test_prefix_caching_reuses_a_shared_prefix_and_keeps_every_answer(prefix_results, name, hit):
+    """With prefix caching on, a request whose prompt starts like an earlier one's prefills only the rest: vLLM
+    reports as cached the whole blocks the earlier request filled before its first eviction (for H2O, up to the
+    last point where its sums were kept), and its greedy text is the text with prefix caching off, for H2O too
+    (its cached tokens start with the sums a full prefill leaves there). Nothing stays held; vLLM can empty its
+    cache afterwards."""
+    cached, uncached = prefix_results[f"{name} cached"], prefix_results[f"{name} uncached"]
+    assert "error" not in cached, cached.get("error")
+    assert cached["tokens"] == uncached["tokens"]
+    assert cached["cached_tokens"] == [0, hit, hit]
+    assert uncached["cached_tokens"] == [0, 0, 0]
+    assert cached["referenced_at_end"] == 0 and cached["overruns"] == 0 and cached["uncached"] == 0
+    assert cached["cached_at_end"] > 0 and cached["reset_prefix_cache"]
+
+
+@pytest.mark.parametrize("name,hit", [("streaming", 576), ("h2o", 512)])
+def test_prefix_caching_under_memory_pressure_frees_cached_blocks_and_loses_nothing(prefix_results, name, hit):
+    """Nine requests over three 600-token prefixes arrive 8 steps apart in 44 blocks, too few to keep every prefix
+    cached: a request right after one with its prefix finds it cached, vLLM's LRU hands cached blocks out again,
+    every answer equals prefix caching off, nothing is preempted, and no block stays held."""
+    cached, uncached = prefix_results[f"{name} load cached"], prefix_results[f"{name} load uncached"]
+    assert "error" not in cached, cached.get("error")
+    assert cached["tokens"] == uncached["tokens"] and all(len(tokens) == 32 for tokens in cached["tokens"])
+    assert cached["preempted"] == [] and cached["overruns"] == 0
+    assert cached["reclaimed"] > 0, "the pool kept every prefix: make it smaller"
+    # each prefix's 18 whole blocks (576 tokens); for H2O, the last multiple of 256 in them
+    assert [cached["cached_tokens"][i] for i in (1, 3, 5)] == [hit] * 3
+    assert sum(uncached["cached_tokens"]) == 0
+    assert cached["referenced_at_end"] == 0 and cached["held_at_end"] == {} and cached["reset_prefix_cache"]
 
 
 @pytest.mark.parametrize("name", ["stock", "h2o", "h2o recompute"])

@@ -262,17 +262,16 @@ def test_only_additive_policies_defer():
 
 def test_query_windows_forget_ended_requests_and_reuse_their_rows():
     windows = QueryWindows(2, window=3)
-    assert windows.plan(0, [(10, 5, 6, False), (20, 8, 9, False)]).stores == [(0, 0), (1, 3)]
-    windows.plan(1, [(10, 5, 6, False), (20, 8, 9, False)])
-    plan = windows.plan(0, [(10, 6, 7, True), (20, 9, 10, False)])  # 10 evicts: its stored query is read first
+    assert windows.plan(0, [("a", 5, 6, False), ("b", 8, 9, False)]).stores == [(0, 0), (1, 3)]
+    windows.plan(1, [("a", 5, 6, False), ("b", 8, 9, False)])
+    plan = windows.plan(0, [("a", 6, 7, True), ("b", 9, 10, False)])  # a evicts: its stored query is read first
     assert [(i, f.entries, f.end) for i, f in plan.before] == [(0, [0], 6)] and plan.stores == [(0, 0), (1, 4)]
-    plan = windows.plan(0, [(20, 10, 11, False)])  # 20's window of 3 fills: read after the step
+    plan = windows.plan(0, [("b", 10, 11, False)])  # b's window of 3 fills: read after the step; a sits it out
     assert [(i, f.entries, f.end) for i, f in plan.after] == [(0, [3, 4, 5], 11)]
-    assert windows.pending(20, 1) == 1  # rule 1 counts apart
-    windows.forget_ended({20}, held={20, 21, 10})  # request 10's first block is held by another: 10 ended
-    assert windows.pending(10, 0) == 0 and windows.free == [0]
-    windows.forget_ended({20}, held={20, 21})  # not seen, blocks not reused: it may merely sit a step out
-    assert windows.plan(0, [(30, 0, 1, False)]).stores == [(0, 0)]  # a new request takes the freed row
+    assert windows.pending("b", 1) == 1 and windows.pending("a", 0) == 1  # rule 1 counts apart
+    windows.forget("a")  # the runner says a ended
+    assert windows.pending("a", 0) == 0 and windows.free == [0] and windows.pending("b", 1) == 1
+    assert windows.plan(0, [("c", 0, 1, False)]).stores == [(0, 0)]  # a new request takes the freed row
     assert windows.capacity == 2
 
 
@@ -562,3 +561,83 @@ def test_paged_plan_refuses_what_blocks_cannot_hold(spec, words):
     with pytest.raises(KVPolicyError, match=words) as info:
         paged_plan(Settings(recipe=spec), 30, 3, 32)
     assert "\n" not in str(info.value)
+
+
+# --- prefix caching: a cached prompt's statistics, kept and continued --------------------------------------------
+
+@pytest.mark.parametrize("policy,params", [("h2o", {}), ("h2o", {"accumulate": "mean"}), ("roco", {})])
+def test_a_prefix_cache_hit_continues_the_state_a_full_prefill_leaves(policy, params):
+    """With prefix caching, request A observes its prompt in pieces that end at snapshot boundaries and keeps the
+    state of its first P slots there; B, whose prompt starts with the same P tokens, gets copies of A's blocks (K/V
+    only, as vLLM copies them), the snapshot (carried by the copy of the block holding token P - 1), and observes
+    only its own ending: its state equals B observing its whole prompt at once in a cache of its own."""
+    torch.manual_seed(3)
+    spec = recipe(policy, {"tokens": 8}, slack=3, params=params)
+    layer = paged_plan(Settings(recipe=spec, slack=3), 1, HKV, BLOCK).layers[0]
+    policies = PagedPolicies(layer.policies)
+    shared, own_a, own_b, cut = 12, 5, 7, 8  # a snapshot every 8 tokens: B's hit is cut to 8
+    keys = torch.randn(shared + own_b + own_a, HKV, DIM)
+    queries = torch.randn(shared + own_b + own_a, HKV * GROUPS, DIM)
+    a_tokens = list(range(shared)) + list(range(shared + own_b, shared + own_b + own_a))  # rows of keys/queries
+    b_tokens = list(range(shared + own_b))
+
+    def cache_with(tokens: list[int], blocks: list[int], kv: torch.Tensor) -> PagedLayerCache:
+        cache = PagedLayerCache.over(*cpu_cache_views(kv), layer.policies)
+        position = torch.arange(len(tokens))
+        slots = torch.tensor(blocks)[position // BLOCK] * BLOCK + position % BLOCK
+        cache.write(keys[tokens], keys[tokens], slots, position)
+        return cache
+
+    def observe(cache, blocks, tokens, lo, hi):  # queries [lo, hi) are the last of the slots the pass reads
+        rows = CompactRows.of([(blocks, hi)], BLOCK, torch.device("cpu"))
+        policies.observe(cache, rows, queries[tokens], torch.arange(lo, hi)[None], torch.arange(lo, hi)[None], 0.3)
+
+    def state(cache, blocks, count):
+        position = torch.arange(count)
+        return {name: tensor[torch.tensor(blocks)[position // BLOCK], :, position % BLOCK]
+                for name, tensor in cache.state.items()}
+
+    # A in blocks 1-5, observed in two pieces around the boundary at 8, its state kept there with block 2 (tokens 4-7)
+    kv = torch.zeros(16, HKV, BLOCK, 2 * DIM)
+    a_blocks = [1, 2, 3, 4, 5]
+    cache = cache_with(a_tokens, a_blocks, kv)
+    observe(cache, a_blocks, a_tokens, 0, cut)
+    position = torch.arange(cut)
+    cache.save_snapshot(2, torch.tensor(a_blocks)[position // BLOCK] * BLOCK + position % BLOCK)
+    observe(cache, a_blocks, a_tokens, cut, len(a_tokens))
+    # vLLM hands block 9 to another request, and copies A's blocks 1 and 2 into B's 7 and 8, the snapshot with them
+    cache.move_snapshots({9}, [(1, 7), (2, 8)])
+    b_blocks = [7, 8, 10, 11, 12]
+    kv[b_blocks[:2]] = kv[a_blocks[:2]]
+    position = torch.arange(cut, len(b_tokens))
+    cache.write(keys[b_tokens[cut:]], keys[b_tokens[cut:]], torch.tensor(b_blocks)[position // BLOCK] * BLOCK
+                + position % BLOCK, position)
+    position = torch.arange(cut)
+    cache.write_metadata(torch.tensor(b_blocks)[position // BLOCK] * BLOCK + position % BLOCK, position)
+    cache.restore_snapshot(8, torch.tensor(b_blocks)[position // BLOCK] * BLOCK + position % BLOCK)
+    observe(cache, b_blocks, b_tokens, cut, len(b_tokens))
+    # B alone, its whole prompt at once
+    alone_blocks = [1, 2, 3, 4, 5]
+    alone = cache_with(b_tokens, alone_blocks, torch.zeros(16, HKV, BLOCK, 2 * DIM))
+    observe(alone, alone_blocks, b_tokens, 0, len(b_tokens))
+    got, want = state(cache, b_blocks, len(b_tokens)), state(alone, alone_blocks, len(b_tokens))
+    assert got.keys() == want.keys() and got
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
+    # a block handed to a request loses its snapshot; a copy from a block without one clears the destination's
+    cache.move_snapshots({8}, [(3, 2)])
+    assert 8 not in cache.snapshots and 2 not in cache.snapshots and 7 not in cache.snapshots
+    with pytest.raises(RuntimeError, match="no state was kept"):
+        cache.restore_snapshot(8, torch.arange(cut))
+
+
+def test_which_recipes_run_with_prefix_caching():
+    def plan(policy: str, params: dict | None = None):
+        return paged_plan(Settings(recipe=recipe(policy, {"tokens": 10}, slack=3, params=params)), 1, HKV, BLOCK)
+
+    for policy in ("streaming", "window", "h2o", "roco"):
+        assert plan(policy).prefix_cacheable, policy
+    for policy, params in (("tova", None), ("scissorhands", None), ("snapkv", None), ("h2o", {"decay": 0.9})):
+        assert not plan(policy, params).prefix_cacheable, policy
+    assert plan("streaming").snapshot_tokens(32) == 0  # no statistics: a hit may end at any block
+    assert plan("h2o").snapshot_tokens(32) == 256 and plan("h2o").snapshot_tokens(48) == 288

@@ -65,6 +65,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add("--compiled", action="store_true",
         help="with --engine vllm: vLLM's compiled mode, as it serves by default (default here: eager; compiling "
              "takes ~100 s per engine on a 2-core CPU)")
+    add("--shared-prefix-tokens", type=int, default=None,
+        help="with --engine vllm: every prompt starts with the same this many tokens (a shared system prompt)")
+    add("--prefix-caching", action="store_true",
+        help="with --engine vllm: vLLM's prefix caching on for every configuration (docs/vllm.md, Prefix caching)")
     add("--preemption", nargs="+", choices=["never", "recompute"], default=None,
         help="with --engine vllm: the recipes' admission (docs/vllm.md): never (default: no request is ever "
              "preempted, so no answer depends on load), recompute (vLLM's own, as the full cache runs), or both")
@@ -164,9 +168,10 @@ def _check(args: argparse.Namespace) -> None:
         raise KVPolicyError("--recipe names the recipe of a --stream-tokens run; for throughput use --recipes")
     if args.engine != "vllm" and (args.prefill_chunk is not None or args.evict_during_prefill
                                   or args.tensor_parallel_size is not None or args.compiled
-                                  or args.preemption is not None):
-        raise KVPolicyError("--prefill-chunk, --evict-during-prefill, --tensor-parallel-size, --compiled and "
-                            "--preemption are options of --engine vllm")
+                                  or args.preemption is not None or args.shared_prefix_tokens is not None
+                                  or args.prefix_caching):
+        raise KVPolicyError("--prefill-chunk, --evict-during-prefill, --tensor-parallel-size, --compiled, "
+                            "--preemption, --shared-prefix-tokens and --prefix-caching are options of --engine vllm")
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise KVPolicyError(f"--tensor-parallel-size {args.tensor_parallel_size}: must be at least 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 1:

@@ -50,6 +50,10 @@ def capacity_arguments(args: argparse.Namespace) -> list[str]:
         argv += ["--compiled"]
     if args.preemption:
         argv += ["--preemption", *args.preemption]
+    if args.shared_prefix_tokens:
+        argv += ["--shared-prefix-tokens", str(args.shared_prefix_tokens)]
+    if args.prefix_caching:
+        argv += ["--prefix-caching"]
     if args.out:
         argv += ["--out", args.out]
     return argv

@@ -77,9 +77,14 @@ def run(job):
         result = run_under_load(llm, job, params)
         del llm
         return result
-    outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
+    if job.get("one_by_one"):  # each prompt once the one before it has ended: it may reuse that one's prefix
+        outputs = [llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0] for ids in job["prompts"]]
+    else:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], params, use_tqdm=False)
     result = {
         "tokens": [list(out.outputs[0].token_ids) for out in outputs],
+        "cached_tokens": [out.num_cached_tokens or 0 for out in outputs],
+        **(pool_report(llm) if job.get("engine", {}).get("enable_prefix_caching") else {}),
         # requests reach the scheduler in prompt order (vLLM adds a suffix to their ids)
         "blocks": list(peaks.values()),
         "pool_blocks": manager.block_pool.num_gpu_blocks,
@@ -89,6 +94,36 @@ def run(job):
     }
     del llm
     return result
+
+
+def count_lru_reclaims(llm) -> dict:
+    """Count the cached blocks vLLM's pool hands out again (its LRU dropping a prefix-cache entry)."""
+    pool = managers(llm)[0].block_pool
+    counts = {"reclaimed": 0}
+    original = pool._maybe_evict_cached_block
+
+    def evict(block):
+        dropped = original(block)
+        counts["reclaimed"] += bool(dropped)
+        return dropped
+
+    pool._maybe_evict_cached_block = evict
+    return counts
+
+
+def pool_report(llm) -> dict:
+    """Once nothing runs: blocks that requests still hold or reference, blocks in the prefix cache, and whether vLLM
+    can empty its prefix cache (only when no block is in use)."""
+    manager = managers(llm)[0]
+    pool = manager.block_pool
+    blocks = [block for block in pool.blocks if not block.is_null]
+    return {
+        "referenced_at_end": sum(1 for block in blocks if block.ref_cnt),
+        "cached_at_end": sum(1 for block in blocks if block.block_hash is not None),
+        "free_blocks_at_end": pool.get_num_free_blocks(), "pool_blocks": pool.num_gpu_blocks,
+        "uncached": getattr(manager, "uncached", 0), "overruns": getattr(manager, "overruns", 0),
+        "reset_prefix_cache": pool.reset_prefix_cache(),
+    }
 
 
 def run_under_load(llm, job, params) -> dict:
@@ -107,6 +142,7 @@ def run_under_load(llm, job, params) -> dict:
         return original(request, *args, **kwargs)
 
     scheduler._preempt_request = preempt
+    reclaims = count_lru_reclaims(llm)
     count = len(job["prompts"])
     priorities, arrivals = job.get("priorities") or [0] * count, job.get("arrive_at_step") or [0] * count
 
@@ -117,12 +153,13 @@ def run_under_load(llm, job, params) -> dict:
 
     arrive(0)
     aborted = [str(index) for index in job["abort"]["requests"]]
-    tokens, finished, steps = {}, set(), 0
+    tokens, cached, finished, steps = {}, {}, set(), 0
     while engine.has_unfinished_requests() or steps < max(arrivals):
         if steps:
             arrive(steps)
         for out in engine.step():
             tokens[out.request_id] = list(out.outputs[0].token_ids)
+            cached[out.request_id] = out.num_cached_tokens or 0
             if out.finished:
                 finished.add(out.request_id)
         steps += 1
@@ -134,12 +171,15 @@ def run_under_load(llm, job, params) -> dict:
             for rid, blocks in manager.req_to_blocks.items()}
     return {
         "tokens": [tokens.get(str(index), []) for index in range(len(job["prompts"]))],
+        "cached_tokens": [cached.get(str(index), 0) for index in range(len(job["prompts"]))],
         "finished": sorted(finished, key=int), "aborted": aborted, "preempted": preempted, "steps": steps,
         "pool_blocks": pool.num_gpu_blocks, "free_blocks_at_end": pool.get_num_free_blocks(),
         "held_at_end": {rid: count for rid, count in held.items() if count},
         # allocations past the most blocks a request was admitted for (kvpolicy's manager counts them)
         "overruns": sum(getattr(manager, "overruns", 0)
                         for manager in scheduler.kv_cache_manager.coordinator.single_type_managers),
+        **reclaims,
+        **(pool_report(llm) if job.get("engine", {}).get("enable_prefix_caching") else {}),
     }
 
 

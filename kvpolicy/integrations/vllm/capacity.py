@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the recipes' admission (the entry's `preemption`): `never` admits a request only when "
                              "its most blocks are free, so vLLM never preempts; `recompute` is vLLM's own, the full "
                              "cache's, which may preempt. Two values run each recipe under both")
+    parser.add_argument("--shared-prefix-tokens", type=int, default=0,
+                        help="every prompt starts with the same this many tokens (a system prompt), then its own text")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="vLLM's prefix caching on for every configuration (recipes that read no attention "
+                             "statistics run with it; the table then counts cached blocks and prompt tokens reused)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks that split the model's KV heads (vLLM's tensor_parallel_size); on vLLM's CPU "
@@ -71,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("requests", "prompt_tokens", "new_tokens", "block_size", "kernel_repeats", "tensor_parallel_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.shared_prefix_tokens < round(0.8 * args.prompt_tokens):
+        parser.error("--shared-prefix-tokens must be >= 0 and below the shortest prompt (0.8 x --prompt-tokens)")
     if args.prefill_chunk < 0:
         parser.error("--prefill-chunk must be >= 0")
     if args.kv_blocks < 0:
@@ -104,7 +111,10 @@ def prompt_ids(tokenizer, args: argparse.Namespace) -> list[list[int]]:
     if max(lengths) > len(ids):
         raise SystemExit(f"the text has {len(ids)} tokens; prompts of {max(lengths)} need more (--text)")
     stride = max(1, (len(ids) - max(lengths)) // args.requests)
-    return [ids[i * stride: i * stride + length] for i, length in enumerate(lengths)]
+    shared = ids[: args.shared_prefix_tokens]  # the text's start, before any prompt's own part (which starts later)
+    own = [ids[len(shared) + i * stride: len(shared) + i * stride + length - len(shared)]
+           for i, length in enumerate(lengths)]
+    return [shared + part for part in own]
 
 
 def block_bytes(args: argparse.Namespace) -> int:
@@ -131,7 +141,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
                preemption: str = "never") -> dict:
     from vllm import LLM, SamplingParams
 
-    engine_args = {"dtype": args.dtype, "enforce_eager": not args.compiled, "enable_prefix_caching": False,
+    engine_args = {"dtype": args.dtype, "enforce_eager": not args.compiled, "enable_prefix_caching": args.prefix_caching,
                    "block_size": args.block_size,
                    "max_model_len": max(map(len, prompts)) + args.new_tokens + args.block_size,
                    "max_num_seqs": len(prompts), "disable_log_stats": True,
@@ -160,7 +170,10 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
                       for rid, n in output.num_scheduled_tokens.items() if rid in scheduler.requests)
         steps.append({"running": len(scheduler.running), "prefill": prefill,
                       "tokens": output.total_num_scheduled_tokens,
-                      "blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()})
+                      "blocks": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+                      # free blocks that still hold a prefix-cache entry (vLLM's LRU hands them out last)
+                      "cached": sum(1 for block in pool.blocks if block.ref_cnt == 0 and block.block_hash is not None)
+                      if args.prefix_caching else 0})
         return output
 
     scheduler.schedule = schedule
@@ -177,6 +190,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
     for index, ids in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": ids}, params)
     first_token: dict[str, float] = {}
+    reused: dict[str, int] = {}  # prompt tokens each request found in the prefix cache
     finished: dict[str, float] = {}
     generated: dict[str, int] = {}
     step_times = []
@@ -191,6 +205,7 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
             generated[out.request_id] = count
             if count and out.request_id not in first_token:
                 first_token[out.request_id] = now - start
+                reused[out.request_id] = out.num_cached_tokens or 0
             if out.finished:
                 finished[out.request_id] = now - start
         step_times.append((now - before, new_tokens))
@@ -211,6 +226,10 @@ def run_config(recipe: str, prompts: list[list[int]], args: argparse.Namespace, 
         "peak_running": max(step["running"] for step in records),
         "peak_blocks": max(step["blocks"] for step in records),
         "mean_blocks": round(statistics.mean(step["blocks"] for step in records), 1),
+        "prefix_caching": args.prefix_caching, "shared_prefix_tokens": args.shared_prefix_tokens,
+        "mean_cached_blocks": round(statistics.mean(step["cached"] for step in records), 1),
+        "prompt_tokens_reused": sum(reused.values()), "prompt_tokens": sum(map(len, prompts)),
+        "cached_per_step": [step["cached"] for step in records],
         "decode_tokens_per_s": round(sum(t for _, t in decode) / decode_seconds, 2) if decode_seconds else None,
         "end_to_end_tokens_per_s": round(sum(generated.values()) / total, 2),
         "ttft_median_s": round(statistics.median(first_token.values()), 2),
@@ -353,7 +372,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens each, {blocks} KV blocks of {args.block_size} tokens, {args.dtype}"
           + (f", prefill chunks of {args.prefill_chunk}" if args.prefill_chunk else "")
           + (", recipes evicting during prefill" if args.evict_during_prefill else "")
-          + (f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else ""))
+          + (f", {args.tensor_parallel_size} tensor-parallel ranks" if args.tensor_parallel_size > 1 else "")
+          + (f", a shared prefix of {args.shared_prefix_tokens} tokens" if args.shared_prefix_tokens else "")
+          + (", prefix caching on" if args.prefix_caching else ""))
+    if args.prefix_caching:
+        header += ("cached free blocks (mean)", "prompt tokens reused")
     print(" | ".join(header))
     for row in rows:
         ratio = ""
@@ -362,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['decode_tokens_per_s'] / full['decode_tokens_per_s']:.2f}x decode)")
         print(" | ".join(str(row[key]) for key in ("config", "peak_running", "peak_blocks", "mean_blocks",
                                                    "preemptions", "decode_tokens_per_s", "end_to_end_tokens_per_s",
-                                                   "ttft_median_s", "ttft_max_s")) + ratio)
+                                                   "ttft_median_s", "ttft_max_s"))
+              + (f" | {row['mean_cached_blocks']} | {row['prompt_tokens_reused']} / {row['prompt_tokens']}"
+                 if args.prefix_caching else "") + ratio)
     print("\ndecode tok/s by requests in the step (tok/s, seconds spent there):")
     for row in rows:
         print(f"  {row['config']}: " + ", ".join(f"{batch}: {rate} ({seconds} s)"

@@ -53,21 +53,36 @@ class RuleStep:
     slots: torch.Tensor  # [N] where each new token goes in the compact layout
     evict: tuple[CompactRows, torch.Tensor, torch.Tensor] | None  # rows as they were, budget, tokens seen
     decode: Observation | None  # the step's one-token requests, observed together
-    prompts: list[Observation]  # each longer chunk, observed alone
+    # each longer chunk, observed alone; a chunk that passes a snapshot boundary before its request's first
+    # eviction in pieces, each ending at a boundary followed by (block, slots): keep the state of those slots there
+    prompts: list[tuple[CompactRows, torch.Tensor, torch.Tensor, tuple[int, torch.Tensor] | None]]
     stored: StoredQueries | None  # for layers whose policies batch decode statistics (`PagedPolicies.defers`)
     metadata: tuple[torch.Tensor, torch.Tensor] | None = None  # `paged.slot_rows` of the step's tokens, made once
+
+
+@dataclass
+class Adopt:
+    """Requests that start at a prefix-cache hit: the slots and positions of the tokens vLLM copied into their
+    blocks (K/V only), and, for policies that read statistics, where each one's state for them comes from."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    states: list[tuple[int, torch.Tensor]]  # (the block whose snapshot holds it, the request's slots [P])
 
 
 @dataclass
 class StepPlan:
     rules: list[RuleStep]
     positions: torch.Tensor  # [N] position of each new token
+    adopt: Adopt | None = None
+    # blocks handed to requests since the last step (their snapshots are stale) and vLLM's block copies (src, dst)
+    block_moves: tuple[set[int], list[tuple[int, int]]] | None = None
 
 
 @dataclass
 class _Request:
     row: int
-    key: int  # the physical id of its first block: names the request while it runs
+    key: str  # its request id
     start: int
     end: int
     schedule: RequestSchedule
@@ -77,31 +92,71 @@ class _Request:
     decision: tuple[bool, ...]
 
 
-#: the prompt length of each row of the batch whose metadata is being built (`share_prompt_lengths`)
-PROMPT_TOKENS: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("kvpolicy_prompt_tokens",
-                                                                                   default=None)
+@dataclass
+class Batch:
+    """What vLLM's attention metadata does not carry and the builder needs, from the model runner of this process:
+    each row's request id and prompt length (its runner computes ``is_prefilling`` from them and drops them), the
+    requests (re)started at the step (new, or resumed after a preemption: their first step may start past token 0,
+    at a prefix-cache hit), and those that ended since the builder last looked."""
+
+    request_ids: list[str]
+    prompt_tokens: torch.Tensor
+    started: set[str]
 
 
-def share_prompt_lengths() -> None:
-    """Let the metadata builder read each request's prompt length, which vLLM's attention metadata does not carry
-    (its model runner computes ``is_prefilling`` from it and drops it): the runner's metadata step runs with its
-    input batch's prompt lengths in `PROMPT_TOKENS`. Needed by ``evict_during_prefill`` only; idempotent."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner  # the CPU runner inherits the method
+#: the batch whose metadata is being built (`share_batch`)
+BATCH: contextvars.ContextVar[Batch | None] = contextvars.ContextVar("kvpolicy_batch", default=None)
+# filled by the runner's state update, read by the builder: requests started and ended, blocks handed to requests
+# and vLLM's block copies (src, dst) since the builder last looked
+_STEP = {"started": set(), "finished": set(), "allocated": set(), "copies": []}
 
-    original = GPUModelRunner._build_attention_metadata
-    if getattr(original, "_kvpolicy", False):
+
+def share_batch() -> None:
+    """Wrap the model runner (the CPU runner inherits GPUModelRunner's methods) so that its metadata step runs with
+    `BATCH` set, and its state update records which requests start and end. Idempotent."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    build, update = GPUModelRunner._build_attention_metadata, GPUModelRunner._update_states
+    if getattr(build, "_kvpolicy", False):
         return
 
-    @functools.wraps(original)
-    def build(self, *args, **kwargs):
-        token = PROMPT_TOKENS.set(self.input_batch.num_prompt_tokens_cpu_tensor)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            PROMPT_TOKENS.reset(token)
+    @functools.wraps(update)
+    def update_states(self, scheduler_output):
+        _STEP["finished"] |= set(scheduler_output.finished_req_ids)
+        _STEP["started"] = ({new.req_id for new in scheduler_output.scheduled_new_reqs}
+                            | set(scheduler_output.scheduled_cached_reqs.resumed_req_ids))
+        for new in scheduler_output.scheduled_new_reqs:
+            _STEP["allocated"].update(block for group in new.block_ids for block in group)
+        for groups in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            _STEP["allocated"].update(block for group in groups or () for block in group)
+        _STEP["copies"] += [(copy.src_block_id, copy.dst_block_id)
+                            for copy in scheduler_output.kv_cache_block_copies or ()]
+        return update(self, scheduler_output)
 
-    build._kvpolicy = True
-    GPUModelRunner._build_attention_metadata = build
+    @functools.wraps(build)
+    def build_metadata(self, *args, **kwargs):
+        batch = self.input_batch
+        token = BATCH.set(Batch(list(batch.req_ids), batch.num_prompt_tokens_cpu_tensor, _STEP["started"]))
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            BATCH.reset(token)
+
+    build_metadata._kvpolicy = True
+    GPUModelRunner._build_attention_metadata, GPUModelRunner._update_states = build_metadata, update_states
+
+
+def take_finished() -> set[str]:
+    """The requests that ended since the last call (the runner learns it a step later)."""
+    finished, _STEP["finished"] = _STEP["finished"], set()
+    return finished
+
+
+def take_block_moves() -> tuple[set[int], list[tuple[int, int]]] | None:
+    """The blocks handed to requests and vLLM's block copies since the last call (None: neither)."""
+    allocated, copies = _STEP["allocated"], _STEP["copies"]
+    _STEP["allocated"], _STEP["copies"] = set(), []
+    return (allocated, copies) if allocated or copies else None
 
 
 class CompactBuilder:
@@ -112,18 +167,22 @@ class CompactBuilder:
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.engine = engine_from_config(vllm_config)
-        if self.engine.active and self.engine.plan.evict_during_prefill:
-            share_prompt_lengths()
-        # a request's schedule, by the physical id of its first block (the arena's: held until the request ends)
-        self.schedules: dict[int, RequestSchedule] = {}
+        if self.engine.active:
+            share_batch()
+        # a request's schedule, by request id (dropped when the runner learns that the request ended)
+        self.schedules: dict[str, RequestSchedule] = {}
         # and its block table row at its last step: the scheduler frees the blocks a step's eviction empties at the
         # start of that step, so the compaction finds them there, not in the step's table
-        self.last_tables: dict[int, list[int]] = {}
+        self.last_tables: dict[str, list[int]] = {}
         # the decode queries stored for the layers whose policies batch their statistics (`deferred`)
         plan = self.engine.plan if self.engine.active else None
         self.windows = QueryWindows(len(plan.rules)) if plan is not None and plan.defers_statistics else None
         # and whether some layer still observes each decode step (policies that read a step's own attention)
         self.observes_decode = plan is not None and plan.observes_decode_steps
+        # with prefix caching, policies that read statistics keep their state every this many prompt tokens, so that
+        # a request that finds the prompt's start in the cache starts with the state a full prefill would give it
+        caching = getattr(vllm_config.cache_config, "enable_prefix_caching", False)
+        self.snapshot_tokens = plan.snapshot_tokens(self.kv_cache_spec.block_size) if caching and plan else 0
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         step = self._plan_step(common_prefix_len, common_attn_metadata, fast_build) if self.engine.active else None
@@ -140,44 +199,48 @@ class CompactBuilder:
         ends = common.seq_lens.cpu().tolist()
         table = common.block_table_tensor.cpu()
         prefilling = common.is_prefilling.cpu().tolist() if common.is_prefilling is not None else None
-        prompt_tokens = self._prompt_tokens(common.num_reqs) if plan.evict_during_prefill else None
-        requests = []
+        if any(starts[row + 1] == starts[row] or int(table[row, 0]) == 0 for row in range(common.num_reqs)):
+            return None  # a dummy run (profiling, warm-up): nothing to keep
+        batch = BATCH.get()
+        if batch is None:  # the scheduler evicts: so must we
+            raise KVPolicyError("kvpolicy: this vLLM's model runner built attention metadata outside its "
+                                "_build_attention_metadata step, so kvpolicy cannot tell its requests apart; serve "
+                                "without kvpolicy or report this vLLM version")
+        for ended in take_finished():
+            self._forget(ended)
+        prompt_tokens = batch.prompt_tokens[: common.num_reqs].tolist()
+        requests, adopted = [], []
         for row in range(common.num_reqs):
             count = starts[row + 1] - starts[row]
-            first_block = int(table[row, 0])
-            if count == 0 or first_block == 0:  # a dummy run (profiling, warm-up): nothing to keep
-                return None
-            if plan.evict_during_prefill and prompt_tokens is None:  # the scheduler evicts early: so must we
-                raise KVPolicyError("kvpolicy: evict_during_prefill needs each request's prompt length, which this "
-                                    "vLLM's model runner did not share; serve without evict_during_prefill")
-            end = ends[row]
+            key, end = batch.request_ids[row], ends[row]
             start = end - count
-            schedule = self.schedules.get(first_block)
-            if start == 0 or schedule is None:
-                if start != 0:
-                    raise KVPolicyError(f"kvpolicy: a request reached the worker at token {start} with no schedule; "
-                                        "this integration needs every step of a request on one worker")
-                schedule = self.schedules[first_block] = RequestSchedule(plan.rules, plan.slack, block_size,
-                                                                         plan.evict_during_prefill)
-                if self.windows is not None:  # a new request, or one recomputed: nothing stored counts
-                    self.windows.forget(first_block)
+            schedule = self.schedules.get(key)
+            if key in batch.started or schedule is None:  # new, or resumed after a preemption: it starts over
+                self._forget(key)
+                schedule = self.schedules[key] = RequestSchedule(plan.rules, plan.slack, block_size,
+                                                                 plan.evict_during_prefill)
+                if start:  # its first `start` tokens are a prefix-cache hit, copied into its own blocks
+                    adopted.append((table[row], start))
+                    if self.snapshot_tokens and start % self.snapshot_tokens:
+                        raise KVPolicyError(f"kvpolicy: request {key} starts at a prefix-cache hit of {start} tokens, "
+                                            f"not a multiple of {self.snapshot_tokens} (please report this)")
             row_table = table[row].tolist()
-            last_table = row_table if start == 0 else self.last_tables.get(first_block, row_table)
+            last_table = self.last_tables.get(key, row_table)
             before = [_physical(last_table, schedule.compact(rule, start)) for rule in range(len(plan.rules))]
             decision = schedule.start_step(start, prefilling[row] if prefilling is not None else False,
-                                           prompt_tokens[row] if prompt_tokens is not None else None)
+                                           prompt_tokens[row] if plan.evict_during_prefill else None)
             after = [schedule.compact(rule, end) for rule in range(len(plan.rules))]
-            self.last_tables[first_block] = row_table
-            requests.append(_Request(row, first_block, start, end, schedule, row_table, before, after, decision))
-        if self.windows is not None:
-            self.windows.forget_ended({r.key for r in requests}, {block for r in requests for block in r.table})
+            self.last_tables[key] = row_table
+            requests.append(_Request(row, key, start, end, schedule, row_table, before, after, decision))
         device = common.block_table_tensor.device
         positions = torch.cat([torch.arange(r.start, r.end) for r in requests]).to(device)
+        adopt = _adopt(adopted, block_size, self.snapshot_tokens > 0, device) if adopted else None
         # the statistics: decode steps together (one query each), each prompt chunk alone (long, of any length)
         decoding = [r for r in requests if r.end - r.start == 1]
         prompts = [r for r in requests if r.end - r.start > 1]
         decode_queries = _queries(decoding, starts, device) if self.observes_decode and decoding else None
-        prompt_queries = [_queries([r], starts, device) for r in prompts] if plan.needs_statistics else []
+        prompt_pieces = [self._pieces(r, starts, prompt_tokens[r.row], device) for r in prompts] \
+            if plan.needs_statistics else []
         rules = []
         for rule in range(len(plan.rules)):
             evicting = [r for r in requests if r.decision[rule]]
@@ -190,14 +253,46 @@ class CompactBuilder:
             decode = None
             if decode_queries is not None:
                 decode = (CompactRows.of([layouts[r.row] for r in decoding], block_size, device), *decode_queries)
-            observe_prompts = [(CompactRows.of([layouts[r.row]], block_size, device), *query)
-                               for r, query in zip(prompts, prompt_queries, strict=False)]
+            # a piece's queries are the last slots of its rows: those up to its end (the pass's causal mask)
+            observe_prompts = [(CompactRows.of([(layouts[r.row][0], layouts[r.row][1] - (r.end - end))], block_size,
+                                               device), index, positions, snapshot)
+                               for r, pieces in zip(prompts, prompt_pieces, strict=False)
+                               for index, positions, snapshot, end in pieces]
             stored = self._stored(rule, requests, layouts, starts, device) if self.windows is not None else None
             slots = torch.cat([_slots(layouts[r.row][0], r.after[rule][2], r.start, r.end, block_size)
                                for r in requests]).to(device)
             kernel = super().build(common_prefix_len, _compact(common, requests, layouts, slots), fast_build)
             rules.append(RuleStep(kernel, slots, evict, decode, observe_prompts, stored))
-        return StepPlan(rules, positions)
+        moves = take_block_moves()  # drained every step, needed only where snapshots are kept
+        return StepPlan(rules, positions, adopt, moves if self.snapshot_tokens else None)
+
+    def _pieces(self, r: _Request, starts: list[int], prompt: int, device: torch.device) -> list:
+        """A prompt chunk's queries to observe: at once, or, before the request's first eviction, in pieces that
+        end at each snapshot boundary it passes (a boundary's state is the full prefill's state there: the sums of
+        the queries before it), each with the block and the slots whose state to keep."""
+        every, block_size = self.snapshot_tokens, self.kv_cache_spec.block_size
+        cuts = []
+        if every and all(state.evicted_at is None for state in r.schedule.states):
+            cuts = list(range((r.start // every + 1) * every, min(r.end, prompt) + 1, every))
+        index, positions = _queries([r], starts, device)  # [1, chunk]: one request, no pads
+        pieces, lo = [], r.start
+        for hi in [*cuts, r.end]:
+            if hi > lo:
+                keep = slice(lo - r.start, hi - r.start)
+                snapshot = None
+                if hi in cuts:
+                    position = torch.arange(hi)
+                    blocks = torch.tensor(r.table, dtype=torch.long)[position // block_size]
+                    snapshot = (r.table[hi // block_size - 1], (blocks * block_size + position % block_size).to(device))
+                pieces.append((index[:, keep], positions[:, keep], snapshot, hi))
+            lo = hi
+        return pieces
+
+    def _forget(self, key: str) -> None:
+        self.schedules.pop(key, None)
+        self.last_tables.pop(key, None)
+        if self.windows is not None:  # nothing it stored counts any more
+            self.windows.forget(key)
 
     def _stored(self, rule: int, requests: list[_Request], layouts: dict, starts: list[int], device: torch.device
                 ) -> StoredQueries:
@@ -210,12 +305,21 @@ class CompactBuilder:
             stored_observation([(requests[i].before[rule], flush) for i, flush in plan.before], block_size, device),
             stored_observation([(layouts[requests[i].row], flush) for i, flush in plan.after], block_size, device))
 
-    @staticmethod
-    def _prompt_tokens(rows: int) -> list[int] | None:
-        shared = PROMPT_TOKENS.get()
-        if shared is None:  # a dummy run (profiling, warm-up) outside the runner's metadata step; real steps have it
-            return None
-        return shared[:rows].tolist()
+
+
+def _adopt(adopted: list[tuple[torch.Tensor, int]], block_size: int, with_state: bool, device: torch.device) -> Adopt:
+    """What requests starting at a prefix-cache hit find in their blocks: vLLM copied the tokens' keys and values
+    there, not kvpolicy's per-slot positions and state (the state comes from the snapshot kept at the hit's last
+    block, which vLLM's copy carried to the request's own block: `PagedLayerCache.move_snapshots`)."""
+    slots, positions, states = [], [], []
+    for row, start in adopted:
+        position = torch.arange(start)
+        request_slots = (row[position // block_size].long() * block_size + position % block_size).to(device)
+        slots.append(request_slots)
+        positions.append(position)
+        if with_state:
+            states.append((int(row[start // block_size - 1]), request_slots))
+    return Adopt(torch.cat(slots), torch.cat(positions).to(device), states)
 
 
 def _compact(common, requests: list[_Request], layouts: dict, slots: torch.Tensor):
@@ -299,6 +403,12 @@ class CompactImpl:
         stored = todo.stored if policies.defers else None
         if stored is not None and stored.before is not None:  # the queries stored since the last eviction
             policies.observe(cache, stored.before[0], cache.stored_queries(), *stored.before[1:], self.scale)
+        if step.block_moves is not None:
+            cache.move_snapshots(*step.block_moves)
+        if step.adopt is not None:  # before an eviction ranks them
+            cache.write_metadata(step.adopt.slots, step.adopt.positions)
+            for block, slots in step.adopt.states:
+                cache.restore_snapshot(block, slots)
         if todo.evict is not None:
             policies.evict(cache, *todo.evict)
         count = attn_metadata.num_actual_tokens
@@ -315,8 +425,10 @@ class CompactImpl:
                 policies.observe(cache, stored.after[0], cache.stored_queries(), *stored.after[1:], self.scale)
         elif todo.decode is not None:
             policies.observe(cache, todo.decode[0], query, *todo.decode[1:], self.scale)
-        for rows, query_index, query_positions in todo.prompts:
+        for rows, query_index, query_positions, snapshot in todo.prompts:
             policies.observe(cache, rows, query, query_index, query_positions, self.scale)
+            if snapshot is not None:
+                cache.save_snapshot(*snapshot)
         return output
 
 
@@ -355,4 +467,4 @@ def customize_spec(spec, engine) -> Any:
                             f"this one has a {type(spec).__name__} layer: serve it without kvpolicy")
     plan = engine.plan
     return KVPolicySpec.from_spec(spec, plan.rules, plan.slack, plan.evict_during_prefill, plan.step_tokens,
-                                  reserve=plan.preemption == "never")
+                                  reserve=plan.preemption == "never", hit_tokens=plan.snapshot_tokens(spec.block_size))

@@ -31,7 +31,7 @@ class Flush:
     """A score pass over one request's stored queries of one rule: buffer entries ``entries`` (in step order), the
     queries of the tokens at positions ``[end - len(entries), end)``."""
 
-    key: int
+    key: str
     entries: list[int]
     end: int
 
@@ -48,30 +48,23 @@ class QueryWindows:
 
     def __init__(self, rules: int, window: int = WINDOW):
         self.rules, self.window = rules, window
-        self.rows: dict[int, int] = {}  # request key (the physical id of its first block) -> buffer row
-        self.counts: dict[int, list[int]] = {}  # and the queries stored per rule
+        self.rows: dict[str, int] = {}  # request id -> buffer row
+        self.counts: dict[str, list[int]] = {}  # and the queries stored per rule
         self.free: list[int] = []
         self.capacity = 0  # rows handed out so far: each layer's buffer holds this many
 
-    def forget(self, key: int) -> None:
-        """The request ``key`` ended or starts over (a new request in its first block, or a recomputation)."""
+    def forget(self, key: str) -> None:
+        """The request ``key`` ended or starts over (a recomputation after a preemption)."""
         row = self.rows.pop(key, None)
         if row is not None:
             self.counts.pop(key)
             self.free.append(row)
 
-    def forget_ended(self, keys: set[int], held: set[int]) -> None:
-        """Forget the requests not in this step (``keys``) whose first block a request of this step holds
-        (``held``): that block was freed, so its request ended. A request merely not scheduled keeps its blocks
-        and its stored queries until it runs again."""
-        for key in [key for key in self.rows if key not in keys and key in held]:
-            self.forget(key)
-
-    def pending(self, key: int, rule: int) -> int:
+    def pending(self, key: str, rule: int) -> int:
         counts = self.counts.get(key)
         return counts[rule] if counts is not None else 0
 
-    def take(self, key: int, rule: int, end: int) -> Flush | None:
+    def take(self, key: str, rule: int, end: int) -> Flush | None:
         """The request's stored queries of ``rule`` (its tokens through position ``end``), now read: None if none."""
         count = self.pending(key, rule)
         if count == 0:
@@ -80,7 +73,7 @@ class QueryWindows:
         base = self.rows[key] * self.window
         return Flush(key, list(range(base, base + count)), end)
 
-    def plan(self, rule: int, steps: list[tuple[int, int, int, bool]]) -> StoredPlan:
+    def plan(self, rule: int, steps: list[tuple[str, int, int, bool]]) -> StoredPlan:
         """One step of a rule's layers, for its requests ``steps`` (key, start, end, evicts now): which requests'
         stored queries a pass reads before the step's eviction (a request about to evict, or to run a longer chunk,
         whose layout must not move under them), where each one-token step's query goes, and which windows that
@@ -99,7 +92,7 @@ class QueryWindows:
                     plan.after.append((index, full))
         return plan
 
-    def store(self, key: int, rule: int, end: int) -> tuple[int, Flush | None]:
+    def store(self, key: str, rule: int, end: int) -> tuple[int, Flush | None]:
         """Where the query of the request's token at position ``end - 1`` goes for ``rule``, and the pass that
         reads the window if that fills it."""
         if key not in self.rows:

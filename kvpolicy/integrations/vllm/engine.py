@@ -58,6 +58,7 @@ def engine_from_config(vllm_config: Any) -> Engine:
                           vllm_config.cache_config.block_size, heads=heads)
         if plan is not None:
             plan.step_tokens = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None)
+            check_prefix_caching(plan, settings.recipe, vllm_config.cache_config)
         if plan is None:
             logger.info("kvpolicy: recipe %r evicts nothing; vLLM runs with its full cache", settings.recipe)
         else:
@@ -85,6 +86,21 @@ def load_dependence(plan: PagedPlan, scheduler_config: Any) -> list[str]:
     return reasons
 
 
+def check_prefix_caching(plan: PagedPlan, recipe: str, cache_config: Any) -> None:
+    """Prefix caching runs with policies that read no attention statistics, or only sums over queries: a request
+    that finds its prompt's start in the cache never ran those tokens' queries, and gets their state as a full
+    prefill leaves it there (`PagedLayerCache.save_snapshot`), which only a sum can be continued from."""
+    if not getattr(cache_config, "enable_prefix_caching", False) or plan.prefix_cacheable:
+        return
+    readers = sorted({group.policy.name for layer in plan.layers for group in layer.policies.groups
+                      if group.policy.needs and not group.policy.additive})
+    raise KVPolicyError(
+        f"{PREFIX}: prefix caching is on, but recipe {recipe!r} ranks tokens by attention statistics that are not "
+        f"sums over queries ({', '.join(readers)}), which a request reusing a cached prefix cannot rebuild; turn it "
+        "off (LLM(..., enable_prefix_caching=False) or vllm serve --no-enable-prefix-caching), or serve a recipe "
+        "that reads none or only sums (streaming, window, h2o without decay, roco)")
+
+
 def rank_heads(total: int, tp_size: int, tp_rank: int) -> range:
     """The KV heads a tensor-parallel rank holds, as vLLM splits them: a run of ``total / tp_size`` each, or, with
     fewer heads than ranks, one head that ``tp_size / total`` neighbouring ranks hold alike."""
@@ -110,10 +126,6 @@ def process_engine() -> Engine | None:
 def check_engine(vllm_config: Any) -> None:
     """Refuse, in one line each, the engine features a paged kvpolicy cache cannot run with."""
     cache = vllm_config.cache_config
-    if getattr(cache, "enable_prefix_caching", False):
-        raise KVPolicyError(
-            f"{PREFIX}: prefix caching is on, but an evicted request's blocks no longer hold its prefix and cannot "
-            "be shared; turn it off: LLM(..., enable_prefix_caching=False) or vllm serve --no-enable-prefix-caching")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise KVPolicyError(f"{PREFIX}: speculative decoding is on; kvpolicy's eviction schedule counts one "
                             "accepted token per step: serve without speculative_config")

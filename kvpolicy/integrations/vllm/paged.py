@@ -51,6 +51,9 @@ class PagedLayerCache:
     state: dict[str, torch.Tensor]  # name -> [blocks, Hkv, bs]
     # the decode queries stored until a pass reads them (`deferred`): [entries, Hq, D], grown as requests arrive
     queries: torch.Tensor | None = None
+    # with prefix caching: the policies' state of a prompt's first P slots as a full prefill leaves it after P
+    # tokens, by the block holding token P - 1 (name -> [P, Hkv]); a request that hits the cache there starts with it
+    snapshots: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def over(cls, keys: torch.Tensor, values: torch.Tensor, policies: LayerPolicies) -> PagedLayerCache:
@@ -89,6 +92,35 @@ class PagedLayerCache:
         if self.queries is None:
             raise RuntimeError("kvpolicy: a score pass over stored queries, but none were stored in this layer")
         return self.queries
+
+    def save_snapshot(self, block: int, slots: torch.Tensor) -> None:
+        """Keep the state of ``slots`` [P] (a prompt's first P, in order) with ``block``, the one holding token P-1."""
+        rows = slot_rows(slots, slots, self.positions.shape[1], self.block_size)[0]
+        heads = self.positions.shape[1]
+        self.snapshots[block] = {name: tensor.view(-1)[rows].view(len(slots), heads)
+                                 for name, tensor in self.state.items()}
+
+    def restore_snapshot(self, block: int, slots: torch.Tensor) -> None:
+        """The state of a prefix-cache hit's slots [P] from the snapshot its last block carries."""
+        kept = self.snapshots.get(block)
+        if kept is None or any(tensor.shape[0] != len(slots) for tensor in kept.values()):
+            raise RuntimeError(f"kvpolicy: a request starts at a prefix-cache hit of {len(slots)} tokens, but no "
+                               f"state was kept for them with block {block} (please report this)")
+        rows = slot_rows(slots, slots, self.positions.shape[1], self.block_size)[0]
+        for name, tensor in self.state.items():
+            tensor.view(-1).index_copy_(0, rows, kept[name].reshape(-1).to(tensor.dtype))
+
+    def move_snapshots(self, allocated: set[int], copies: list[tuple[int, int]]) -> None:
+        """Follow vLLM's blocks: a block handed to a request holds other tokens now; a block copy carries its
+        source's snapshot (or its absence) to its destination."""
+        for block in allocated:
+            self.snapshots.pop(block, None)
+        for source, destination in copies:
+            kept = self.snapshots.get(source)
+            if kept is None:
+                self.snapshots.pop(destination, None)
+            else:
+                self.snapshots[destination] = kept
 
     def write_metadata(self, slots: torch.Tensor, positions: torch.Tensor,
                        rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:

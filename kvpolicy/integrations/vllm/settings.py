@@ -21,6 +21,10 @@ from ...registry import Registry, get_registry
 from .paged import defers_statistics
 
 CONFIG_KEY = "kvpolicy"
+#: with prefix caching, policies that read statistics keep their state every this many prompt tokens (rounded up to
+#: blocks): a snapshot at P tokens holds P values per KV head and layer, so keeping one every block would grow as
+#: the square of a prompt's length (a 1,500-token prompt: ~19% of its K/V in fp32 for SmolLM2; every 256: ~2.4%)
+SNAPSHOT_TOKENS = 256
 SETTING_KEYS = ("recipe", "budget", "slack", "evict_during_prefill", "preemption")
 #: ``never``: a request is admitted only when it can reach its most blocks beside the running ones, so vLLM never
 #: preempts one and an answer does not depend on load; ``recompute``: vLLM's own admission (more requests at once),
@@ -107,6 +111,19 @@ class PagedPlan:
     def defers_statistics(self) -> bool:
         """Whether any layer stores its decode queries for a later pass (`deferred`, `paged.defers_statistics`)."""
         return any(defers_statistics(layer.policies) for layer in self.layers)
+
+    @property
+    def prefix_cacheable(self) -> bool:
+        """Whether requests may share prompt blocks through vLLM's prefix cache: every layer that reads statistics
+        reads sums over queries (`Policy.additive`), so a cached prompt's state can be kept at a point and added to."""
+        return all(defers_statistics(layer.policies) for layer in self.layers if layer.policies.needs)
+
+    def snapshot_tokens(self, block_size: int) -> int:
+        """With prefix caching: every how many prompt tokens the worker keeps the statistics' state (a cache hit
+        is cut to a multiple of it), or 0 where no layer reads statistics (a hit may end at any block)."""
+        if not self.needs_statistics:
+            return 0
+        return -(-SNAPSHOT_TOKENS // block_size) * block_size
 
     @property
     def observes_decode_steps(self) -> bool:
