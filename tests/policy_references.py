@@ -1,4 +1,4 @@
-"""Deliberately naive references for H2O, Scissorhands, RoCo, TOVA, SnapKV and AdaKV (brute force, explicit attention).
+"""Deliberately naive references for H2O, Scissorhands, LazyEviction, RoCo, TOVA, SnapKV and AdaKV (brute force, explicit attention).
 
 Every K/V stays in a DynamicCache, eviction is simulated with
 Python sets of (padded) indices, attention is computed one query head and one key at a
@@ -221,6 +221,37 @@ class BruteForceScissorhands(BruteForce):
                         count[j] += mean(head[j] < 1 / len(cols) for head in heads)
             recent = min(self.recent, self.budget)
             self.keep_best(layer, b, h, key=lambda j: (self.age(j, b) <= recent, -count[j], j))
+
+
+class BruteForceLazy(BruteForce):
+    """Zhang et al. (LazyEviction): per token, the queries since its last recall and its longest such silence that
+    ended in a recall; evict every `window` tokens, overdue tokens first, then the ones expected back last."""
+
+    name = "lazy_bruteforce"
+
+    def __init__(self, budget, window, threshold):
+        super().__init__(budget, slack=window - 1)
+        self.window, self.threshold = window, threshold
+
+    def rule(self, layer, b, calls):
+        for h, (_new, rows) in calls.items():
+            data = self.data.setdefault((layer, b, h), {"quiet": {}, "gap": {}})
+            quiet, gap = data["quiet"], data["gap"]
+            for _, cols, heads in rows[-self.window :]:  # a prompt is observed through its last queries
+                for j in cols:
+                    quiet[j] = quiet.get(j, 0) + 1
+                    if mean(head[j] for head in heads) * len(cols) >= self.threshold:  # a recall
+                        gap[j] = max(gap.get(j, 0), quiet[j])
+                        quiet[j] = 0
+            self.keep_best(layer, b, h, key=lambda j, quiet=quiet, gap=gap: self.lazy_key(j, b, quiet, gap))
+
+    def lazy_key(self, j, b, quiet, gap):
+        """Pinned if among the `window` newest; then expected back (quiet <= gap) before overdue; expected ones by
+        how soon, overdue ones by how little; then the newer."""
+        silent, longest = quiet.get(j, 0), gap.get(j, 0)
+        expected = silent <= longest
+        pinned = self.age(j, b) <= min(self.window, self.budget)
+        return (pinned, expected, silent - longest if expected else longest - silent, j)
 
 
 class BruteForceRoCo(BruteForce):

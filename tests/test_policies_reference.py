@@ -1,4 +1,4 @@
-"""Scissorhands, RoCo, TOVA, SnapKV, AdaKV and FastGen keep exactly what a brute-force reference keeps, at every step.
+"""Scissorhands, LazyEviction, RoCo, TOVA, SnapKV, AdaKV and FastGen keep exactly what a brute-force reference keeps, at every step.
 
 Each reference (tests/policy_references.py) computes attention by hand over Python sets
 and applies the paper's rule to Python floats; kvpolicy must keep the same positions per
@@ -13,6 +13,7 @@ from helpers import run_against_reference, uniform_plan
 from policy_references import (
     BruteForceAdaKV,
     BruteForceFastGen,
+    BruteForceLazy,
     BruteForceRoCo,
     BruteForceScissorhands,
     BruteForceSnapKV,
@@ -44,6 +45,12 @@ CASES = {
         lambda: BruteForceScissorhands(6, slack=2, history_window=10, recent=2),
         "scissorhands", Budget(tokens=6, slack=2), {"history_window": 10, "recent": 2},
     ),
+    # window 3: evicts every 3 tokens (from 8 back to 6), the 3 newest pinned, the prompts' last 3 queries observed
+    "lazy": (lambda: BruteForceLazy(6, window=3, threshold=1.0), "lazy", Budget(tokens=6),
+             {"window": 3, "threshold": 1.0}),
+    # recalls at 1.5x the uniform share; window 2: the prompts' last 2 queries, an eviction every other step
+    "lazy-strict": (lambda: BruteForceLazy(7, window=2, threshold=1.5), "lazy", Budget(tokens=7),
+                    {"window": 2, "threshold": 1.5}),
     # protected: 1 sink + 4 (half the budget): the 3 least stable other tokens stay out of the scope
     "roco": (
         lambda: BruteForceRoCo(8, recent_ratio=0.5, sink_length=1, recent_tokens=1),

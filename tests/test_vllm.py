@@ -273,6 +273,16 @@ def test_prefix_caching_under_memory_pressure_frees_cached_blocks_and_loses_noth
     assert cached["referenced_at_end"] == 0 and cached["held_at_end"] == {} and cached["reset_prefix_cache"]
 
 
+def test_a_hit_admitted_beside_this_steps_freed_blocks_finds_clean_blocks_for_its_copies(vllm_python):
+    """Over vLLM's own block pool, 600 random cases of pool size, held blocks, blocks this step's evictions freed
+    (never a copy's destination) and hit blocks, under both admissions: whenever admission says a request with a
+    prefix-cache hit fits, its copies find clean blocks (the 24-request shared-prefix run once stopped here)."""
+    run = subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "admission_check.py")], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "admitted and copied" in run.stdout
+
+
 @pytest.mark.parametrize("name", ["stock", "h2o", "h2o recompute"])
 def test_after_aborts_and_preemptions_no_block_is_held(load_results, name):
     """Requests aborted mid-way and requests vLLM preempted (and recomputed) give every block back: once nothing

@@ -33,7 +33,8 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
-        self.recipe_slack = max((h.budget.slack for row in rows for h in row.heads), default=0)
+        self.recipe_slack = max([h.budget.slack for row in rows for h in row.heads]
+                                + [g.policy.lag for g in groups if g.policy.evicts])
         self.slack = self.recipe_slack
         self.tiers = layer_tiers([h.budget for row in rows for h in row.heads])
         self.tier_costs: TierCosts | None = None  # `price_tiers`: set once a tiered store knows its shapes

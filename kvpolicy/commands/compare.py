@@ -69,6 +69,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluation length: tokens scored by ppl; prompt length of memory and speed (default: 768)")
     add("--prompt-tokens", type=count(MIN_TOKENS), nargs="+", default=[400], metavar="TOKENS",
         help="prompt lengths of passkey, fidelity and the RULER tasks; each runs once per length (default: 400)")
+    add("--new-tokens", type=count(1, 100_000), default=32, metavar="TOKENS",
+        help="tokens fidelity generates and scores after each prompt, e.g. 1000 for a long generation (default: 32)")
     add("--trials", type=count(1, 10_000), default=1,
         help="passkey prompts per depth (5 depths); fidelity uses 2 prompts, a RULER task 5 samples per trial (default: 1)")
     add("--ppl-mode", choices=["token", "chunked"], default="token",
@@ -217,6 +219,7 @@ def _command(args: argparse.Namespace, out: Path) -> str:
     parts = ["kvpolicy", "compare", "--model", args.model, "--recipes", *args.recipes, "--budgets", *args.budgets,
              *(["--budget-unit", args.budget_unit] if args.budget_unit != "tokens" else []),
              "--tasks", *_task_names(args), "--tokens", str(args.tokens), "--prompt-tokens", *map(str, args.prompt_tokens),
+             *(["--new-tokens", str(args.new_tokens)] if args.new_tokens != 32 else []),
              "--trials", str(args.trials), "--ppl-mode", args.ppl_mode, "--threads", str(args.threads),
              "--seed", str(args.seed), "--out", str(out)]
     if args.text_file:
@@ -273,7 +276,7 @@ def _load(args, tasks: list[Task], recipes, budgets, text: str, text_source: str
     model, tokenizer = load_model(args.model, dtype=torch_dtype(args.dtype), device=args.device)
     text_ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     ctx = Context(model, tokenizer, text_ids, tokens=args.tokens, prompt_tokens=args.prompt_tokens[0], seed=args.seed,
-                  trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model}, text=text)
+                  new_tokens=args.new_tokens, trials=args.trials, ppl_mode=args.ppl_mode, options={"model_name": args.model}, text=text)
     needed = max(MIN_TOKENS, *(task.tokens_needed(ctx) for task in tasks))
     if text_ids.numel() < needed:
         raise KVPolicyError(

@@ -102,6 +102,9 @@ class Policy:
     additive: bool = False
     #: Rows W of ``last_rows`` the policy needs (only read when "last_rows" in needs).
     last_rows_window: int = 0
+    #: Tokens the cache lets in past the budget before it evicts (at least this slack on the policy's layers): a
+    #: policy that evicts in bulk once every ``lag + 1`` tokens (LazyEviction's window) sets it.
+    lag: int = 0
     #: True if the policy splits a batch row's budget among its KV heads itself (``allocate``, e.g.
     #: AdaKV); the recipe's per-head budgets then only fix each row's total over the policy's heads.
     allocates: ClassVar[bool] = False

@@ -7,6 +7,7 @@ from .adakv import AdaKV
 from .fastgen import FastGen
 from .full import Full
 from .h2o import H2O
+from .lazy import Lazy
 from .roco import RoCo
 from .scissorhands import Scissorhands
 from .snapkv import SnapKV
@@ -17,4 +18,4 @@ from .window import Window
 
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
-    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen]
+    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy]

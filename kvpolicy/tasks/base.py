@@ -57,6 +57,7 @@ class Context:
     text_ids: torch.Tensor  # [T] int64, the whole evaluation text
     tokens: int = 1024  # evaluation length: perplexity tokens; prompt length for memory and speed
     prompt_tokens: int = 512  # prompt length for passkey and fidelity
+    new_tokens: int = 32  # tokens fidelity scores after each prompt (a long generation: e.g. 1,000)
     seed: int = 0
     trials: int = 1
     ppl_mode: str = "token"

@@ -10,7 +10,7 @@ again under teacher forcing on the full cache's greedy continuation. Per step:
   ``top1``: share of teacher-forced steps whose argmax equals the full cache's token.
 
 The first new token comes from the prefill forward pass, before anything is evicted,
-so it is the same for every row; it is left out and the next ``CONTINUATION`` are scored.
+so it is the same for every row; it is left out and the next ``--new-tokens`` (32 unless given) are scored.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 from .base import Context, Row, batched_session, forward, text_segments
 
-CONTINUATION = 32
 PROMPTS_PER_TRIAL = 2
 
 
@@ -38,7 +37,7 @@ class Fidelity:
 
     def settings(self, ctx: Context) -> dict[str, Any]:
         return {"prompt_tokens": ctx.prompt_tokens, "prompts": PROMPTS_PER_TRIAL * ctx.trials,
-                "continuation": CONTINUATION, "seed": ctx.seed}
+                "continuation": ctx.new_tokens, "seed": ctx.seed}
 
     def tokens_needed(self, ctx: Context) -> int:
         return ctx.prompt_tokens
@@ -49,11 +48,11 @@ class Fidelity:
         sums = torch.zeros(4, len(policy_rows), dtype=torch.float64)  # greedy_match, agree_prefix, kl, top1
         prompts = text_segments(ctx, ctx.prompt_tokens, PROMPTS_PER_TRIAL * ctx.trials)
         for prompt in ctx.track(prompts, len(prompts), "fidelity", rows=len(policy_rows), unit="prompts",
-                                tokens=lambda p: p.numel() * (2 * len(policy_rows) + 1)):
+                                tokens=lambda p: (p.numel() + ctx.new_tokens) * (2 * len(policy_rows) + 1)):
             if policy_rows:
-                sums += compare_to_full(ctx, full, policy_rows, prompt, CONTINUATION)
+                sums += compare_to_full(ctx, full, policy_rows, prompt, ctx.new_tokens)
         means = sums / max(1, len(prompts))
-        exact = {"greedy_match": 1.0, "agree_prefix": float(CONTINUATION), "kl": 0.0, "top1": 1.0}
+        exact = {"greedy_match": 1.0, "agree_prefix": float(ctx.new_tokens), "kl": 0.0, "top1": 1.0}
         results, index = [], 0
         for row in rows:
             if row.is_full:

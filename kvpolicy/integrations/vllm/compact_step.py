@@ -465,6 +465,4 @@ def customize_spec(spec, engine) -> Any:
     if type(spec) is not FullAttentionSpec or spec.sliding_window is not None:
         raise KVPolicyError(f"kvpolicy: the vLLM integration runs models whose layers are all full attention; "
                             f"this one has a {type(spec).__name__} layer: serve it without kvpolicy")
-    plan = engine.plan
-    return KVPolicySpec.from_spec(spec, plan.rules, plan.slack, plan.evict_during_prefill, plan.step_tokens,
-                                  reserve=plan.preemption == "never", hit_tokens=plan.snapshot_tokens(spec.block_size))
+    return KVPolicySpec.from_spec(spec, **engine.plan.scheduler_view(spec.block_size))

@@ -96,7 +96,7 @@ def check_prefix_caching(plan: PagedPlan, recipe: str, cache_config: Any) -> Non
                       if group.policy.needs and not group.policy.additive})
     raise KVPolicyError(
         f"{PREFIX}: prefix caching is on, but recipe {recipe!r} ranks tokens by attention statistics that are not "
-        f"sums over queries ({', '.join(readers)}), which a request reusing a cached prefix cannot rebuild; turn it "
+        f"sums over queries ({', '.join(readers) or 'in the KV heads of other ranks'}), which a request reusing a cached prefix cannot rebuild; turn it "
         "off (LLM(..., enable_prefix_caching=False) or vllm serve --no-enable-prefix-caching), or serve a recipe "
         "that reads none or only sums (streaming, window, h2o without decay, roco)")
 

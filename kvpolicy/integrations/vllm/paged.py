@@ -102,6 +102,8 @@ class PagedLayerCache:
 
     def restore_snapshot(self, block: int, slots: torch.Tensor) -> None:
         """The state of a prefix-cache hit's slots [P] from the snapshot its last block carries."""
+        if not self.state:  # this layer's heads read no statistics (another rank's may: the hit is cut for them)
+            return
         kept = self.snapshots.get(block)
         if kept is None or any(tensor.shape[0] != len(slots) for tensor in kept.values()):
             raise RuntimeError(f"kvpolicy: a request starts at a prefix-cache hit of {len(slots)} tokens, but no "

@@ -101,6 +101,9 @@ class PagedPlan:
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
     step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
     preemption: str = "never"  # `Settings.preemption`
+    # over all the model's KV heads, not this rank's: what the scheduler sees must be the same on every rank
+    recipe_reads_statistics: bool = False
+    recipe_sums_statistics: bool = True  # every layer that reads statistics reads sums over queries
 
     @property
     def needs_statistics(self) -> bool:
@@ -116,14 +119,22 @@ class PagedPlan:
     def prefix_cacheable(self) -> bool:
         """Whether requests may share prompt blocks through vLLM's prefix cache: every layer that reads statistics
         reads sums over queries (`Policy.additive`), so a cached prompt's state can be kept at a point and added to."""
-        return all(defers_statistics(layer.policies) for layer in self.layers if layer.policies.needs)
+        return self.recipe_sums_statistics
 
     def snapshot_tokens(self, block_size: int) -> int:
         """With prefix caching: every how many prompt tokens the worker keeps the statistics' state (a cache hit
-        is cut to a multiple of it), or 0 where no layer reads statistics (a hit may end at any block)."""
-        if not self.needs_statistics:
+        is cut to a multiple of it), or 0 where no layer reads statistics (a hit may end at any block). The same on
+        every tensor-parallel rank: vLLM's scheduler, which cuts the hits, runs one KV cache spec for all of them."""
+        if not self.recipe_reads_statistics:
             return 0
         return -(-SNAPSHOT_TOKENS // block_size) * block_size
+
+    def scheduler_view(self, block_size: int) -> dict[str, Any]:
+        """What vLLM's scheduler is told of the recipe (`KVPolicySpec.from_spec`'s arguments). It depends on the
+        whole recipe, never on a rank's heads: vLLM refuses ranks whose KV cache specs differ."""
+        return {"rules": self.rules, "slack": self.slack, "evict_during_prefill": self.evict_during_prefill,
+                "step_tokens": self.step_tokens, "reserve": self.preemption == "never",
+                "hit_tokens": self.snapshot_tokens(block_size)}
 
     @property
     def observes_decode_steps(self) -> bool:
@@ -186,11 +197,16 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
             rules.append(rule)
         held = LayerPlan(layer.heads[heads.start:heads.stop]) if heads is not None else layer
         layers.append(PagedLayer(policies=LayerPolicies.of_rows([held], policies), rule=rules.index(rule)))
+    whole = [LayerPolicies.of_rows([layer], policies) for layer in plan.layers]
+    readers = [layer for layer in whole if layer.needs]
     recipe_slack = max(h.budget.slack for layer in plan.layers for h in layer.heads)
+    lag = max([policy.lag for policy in policies.values() if policy.evicts], default=0)  # the policy's own rhythm
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
-    slack = settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1)
+    slack = max(settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1), lag)
     return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack,
-                     evict_during_prefill=settings.evict_during_prefill, preemption=settings.preemption)
+                     evict_during_prefill=settings.evict_during_prefill, preemption=settings.preemption,
+                     recipe_reads_statistics=bool(readers),
+                     recipe_sums_statistics=all(defers_statistics(layer) for layer in readers))
 
 
 def _check_policy(policy: Policy, where: str, layer: int) -> None:

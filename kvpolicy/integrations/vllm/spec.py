@@ -135,17 +135,23 @@ class KVPolicyManager(FullAttentionManager):
         hits = args[0] if args else kwargs.get("new_computed_blocks", ())
         if any(block.block_id in self.fresh for block in hits):
             return self.block_pool.num_gpu_blocks + 1  # its copies would run before those bytes exist: next step
-        needed += len(hits)  # a copy of each hit block (`add_local_computed_blocks`)
+        copies = 0
+        evictable = sum(1 for block in hits if block.ref_cnt == 0 and not block.is_null)  # leave the free queue
+        if hits:
+            # a copy of each hit block (`add_local_computed_blocks`), never into a block this step's compaction
+            # still reads: those free now do not count
+            quarantined = sum(1 for block_id in self.freed_now if self.block_pool.blocks[block_id].ref_cnt == 0)
+            copies = len(hits) + quarantined
+            needed += copies
         if self.reserve:
             # what must be free to admit it: its bound, which may be less than the whole prompt vLLM asks for
-            # (`apply_admission_cap`) when it evicts during prefill, and what the running ones may still take; the
-            # hit blocks that sat free are held until their copies have run
-            evictable = sum(1 for block in hits if block.ref_cnt == 0 and not block.is_null)
-            own = max(bound, len(hits) + 1) + evictable if apply_admission_cap else max(needed, bound + evictable)
+            # (`apply_admission_cap`) when it evicts during prefill, or its copies and a block, and what the running
+            # ones may still take; the hit blocks that sat free are held until their copies have run
+            own = max(bound, copies + 1) + evictable if apply_admission_cap else max(needed, bound + evictable)
             return own + self.still_to_take(but=request_id)
         # vLLM admits a request when its whole prompt fits (scheduler_reserve_full_isl); one that evicts during
         # prefill never holds it all: cap it at its bound, as vLLM caps a sliding-window request's
-        return min(needed, bound) if apply_admission_cap else needed
+        return max(min(needed, bound), copies + evictable) if apply_admission_cap else needed
 
     def allocate_new_blocks(self, request_id: str, *args, **kwargs) -> list:
         blocks = super().allocate_new_blocks(request_id, *args, **kwargs)
