@@ -84,6 +84,33 @@ def test_adakv_head_budgets_held_and_coherent_text(smollm2):
     assert sum(layer["ragged"] for layer in report.layers) >= 10  # 20 here; near-even layers stay dense
 
 
+def test_lazy_evicts_once_a_window_and_frees_the_rest(smollm2):
+    """LazyEviction (20%, window 32): the cache falls back to the budget once every 32 tokens and holds at most a
+    window more in between, in every layer and head; the memory held follows that; the text stays right."""
+    model, tokenizer = smollm2
+    inputs = days_prompt(tokenizer)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    session = kvpolicy.attach(model, kvpolicy.load_recipe("lazy"))
+    counts, live = [], []
+
+    def record(input_ids, scores):
+        counts.append(torch.stack([layer.valid.sum(dim=2)[0] for layer in session.last_cache.layers]))
+        live.append(session.last_cache.memory_report().live_kv_bytes)
+        return scores
+
+    with torch.inference_mode():
+        output = session.generate(**inputs, max_new_tokens=70, do_sample=False, logits_processor=[record])
+    session.detach()
+    text = tokenizer.decode(output[0, prompt_tokens:])
+    assert "Thursday" in text and "Friday" in text, text
+    budget = math.ceil(0.2 * prompt_tokens)
+    assert prompt_tokens > budget + 31  # the prompt itself is evicted
+    for step, held in enumerate(counts):  # step k: k tokens decoded since the prompt
+        assert torch.equal(held, torch.full((30, 3), budget + step % 32)), step
+    token_bytes = 30 * 3 * 2 * 64 * 4  # K and V of one token over every layer and KV head, fp32
+    assert live[0] == budget * token_bytes and live[32] == budget * token_bytes and live[31] == (budget + 31) * token_bytes
+
+
 @pytest.mark.parametrize("recipe", ["fastgen", "fastgen-smollm2"])
 def test_fastgen_generates_with_head_patterns_and_memory_freed(smollm2, recipe):
     """FastGen (profiled now, or the shipped profile): right continuation, heads keep what their patterns say,
