@@ -40,6 +40,7 @@ class BruteForce:
         self.position = (torch.cumsum(real.long(), dim=1) - 1).tolist()
         out = torch.zeros(batch, queries, q_heads, dim)
         first_new = total - queries
+        self.key, self.value = key, value  # the cache's own tensors: a rule that merges writes into them
         for b in range(batch):
             self.seen = int(real[b].sum())
             calls = {}
@@ -94,9 +95,9 @@ class BruteForceH2O(BruteForce):
 
     name = "h2o_bruteforce"
 
-    def __init__(self, budget: int, recent_ratio: float = 0.5, decay: float = 1.0):
+    def __init__(self, budget: int, recent_ratio: float = 0.5, decay: float = 1.0, threshold: float | None = None):
         super().__init__(budget)
-        self.recent, self.decay = round(budget * recent_ratio), decay
+        self.recent, self.decay, self.threshold = round(budget * recent_ratio), decay, threshold
 
     def rule(self, layer, b, calls):
         for h, (_, rows) in calls.items():
@@ -106,8 +107,17 @@ class BruteForceH2O(BruteForce):
             for _, cols, heads in rows:
                 for j in cols:
                     score[j] = score.get(j, 0.0) + mean(head[j] for head in heads)
-            recent = set(sorted(self.kept[(layer, b, h)], reverse=True)[: self.recent])
-            self.keep_best(layer, b, h, key=lambda j: (j in recent, score[j]))
+            kept = self.kept[(layer, b, h)]
+            recent = set(sorted(kept, reverse=True)[: self.recent])
+            if self.threshold is None:
+                self.keep_best(layer, b, h, key=lambda j: (j in recent, score[j]))
+                continue
+            # a threshold budget: the recent ones and those scoring at least threshold x the other kept tokens'
+            # scores spread over every token seen, at most `budget`
+            bar = self.threshold * sum(score[j] for j in kept - recent) / self.seen
+            limit = min(self.budget, len(recent) + sum(1 for j in kept - recent if score[j] >= bar))
+            if len(kept) > limit:
+                kept.intersection_update(sorted(kept, key=lambda j: (j in recent, score[j], j), reverse=True)[:limit])
 
 
 class BruteForceTOVA(BruteForce):
@@ -252,6 +262,83 @@ class BruteForceLazy(BruteForce):
         expected = silent <= longest
         pinned = self.age(j, b) <= min(self.window, self.budget)
         return (pinned, expected, silent - longest if expected else longest - silent, j)
+
+
+class BruteForceD2O(BruteForceH2O):
+    """Wan et al. (D2O): H2O's ranking; each layer's budget the recipe's times exp(-sparsity) over the mean of the
+    layers' (sparsity: 1 - effective tokens / tokens of each KV head's accumulated attention, averaged over the heads),
+    fixed at the row's first eviction; each evicted token merged into its most cosine-similar kept key when that similarity
+    reaches the head's EMA threshold, as the weighted mean (exp(similarity) for it, e for the kept token)."""
+
+    name = "d2o_bruteforce"
+
+    def __init__(self, budget, recent_ratio=0.5, ema_keep=0.5, ema_new=0.5, layer_budgets=True, keep_mass=False,
+                 head_budgets=None):
+        super().__init__(budget, recent_ratio)
+        self.head_budgets = head_budgets  # per KV head (the recipe's budget per head), or None: `budget` for all
+        self.ratio, self.ema_keep, self.ema_new, self.layer_budgets = recent_ratio, ema_keep, ema_new, layer_budgets
+        self.keep_mass = keep_mass  # weights scaled by the tokens each stands for (itself and those merged into it)
+        self.mass = {}  # (layer, row, kv head, index) -> tokens merged into it
+        self.weights = {}  # (layer, row) -> exp(-sparsity), until the row's budget in that layer is set
+        self.budgets = {}  # (layer, row) -> the row's budget in that layer, once fixed
+        self.tau = {}  # (layer, row, kv head) -> threshold
+        self.merges = 0  # tokens merged, over the run
+
+    def rule(self, layer, b, calls):
+        score_of = {}
+        for h, (_, rows) in calls.items():
+            score = self.data.setdefault((layer, b, h), {})
+            for _, cols, heads in rows:
+                for j in cols:
+                    score[j] = score.get(j, 0.0) + mean(head[j] for head in heads)
+            score_of[h] = score
+        if (layer, b) not in self.budgets:  # the row's weight counts until its budget is set
+            sparsity = []
+            for h, score in score_of.items():
+                values = [score[j] for j in self.kept[(layer, b, h)]]
+                total = sum(values)
+                effective = 1.0 / sum((v / total) ** 2 for v in values)  # tokens it would spread evenly over
+                sparsity.append(1.0 - effective / len(values))
+            self.weights[(layer, b)] = math.exp(-mean(sparsity))
+        recipe = self.head_budgets or [self.budget] * len(calls)
+        if (layer, b) not in self.budgets and any(len(self.kept[(layer, b, h)]) > recipe[h] for h in calls):
+            known = [w for (other, row), w in self.weights.items() if row == b]
+            share = self.weights[(layer, b)] / mean(known) if self.layer_budgets else 1.0
+            self.budgets[(layer, b)] = [max(1, round(limit * share)) for limit in recipe]
+        budgets = self.budgets.get((layer, b), recipe)
+        for h, score in score_of.items():
+            budget, kept = budgets[h], self.kept[(layer, b, h)]
+            if len(kept) <= budget:
+                continue
+            recent = set(sorted(kept, reverse=True)[: round(budget * self.ratio)])
+            stay = set(sorted(kept, key=lambda j: (j in recent, score[j]), reverse=True)[:budget])
+            self.merge(layer, b, h, sorted(kept - stay), sorted(stay))
+            kept.intersection_update(stay)
+
+    def merge(self, layer, b, h, leaving, stay):
+        def cosine(i, j):
+            x, y = self.key[b, h, i].double(), self.key[b, h, j].double()
+            return float(x @ y / (x.norm().clamp(min=1e-12) * y.norm().clamp(min=1e-12)))
+
+        best = {i: max((cosine(i, j), j) for j in stay) for i in leaving}
+        average = mean(u for u, _ in best.values())
+        tau = self.tau.get((layer, b, h))
+        tau = average if tau is None else self.ema_keep * tau + self.ema_new * average
+        self.tau[(layer, b, h)] = tau
+        def stands_for(j):
+            return 1 + self.mass.get((layer, b, h, j), 0) if self.keep_mass else 1
+
+        into = {}
+        for i, (u, j) in best.items():
+            if u >= tau:
+                into.setdefault(j, []).append((math.exp(u) * stands_for(i), i))
+        for j, sources in into.items():
+            own = math.e * stands_for(j)
+            total = own + sum(w for w, _ in sources)
+            for tensor in (self.key, self.value):
+                tensor[b, h, j] = (own * tensor[b, h, j] + sum(w * tensor[b, h, i] for w, i in sources)) / total
+            self.mass[(layer, b, h, j)] = self.mass.get((layer, b, h, j), 0) + sum(stands_for(i) for _, i in sources)
+            self.merges += len(sources)
 
 
 class BruteForceRoCo(BruteForce):

@@ -39,3 +39,16 @@ def test_h2o_with_decay_matches_bruteforce():
         ids, mask, STEPS,
     )
     assert steps != plain  # the decay changes which heavy hitters survive
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_h2o_under_a_threshold_budget_matches_bruteforce(arch):
+    """``budget: {tokens: 9, threshold: 1.2}``: each head keeps its recent tokens and those whose accumulated
+    attention is at least 1.2 x its other kept tokens' attention spread over every token seen, at most 9; the heads
+    then hold different counts that change from step to step."""
+    model = tiny_model(arch)
+    ids, mask = padded_batch(lengths=(17, 12, 9))
+    plan = uniform_plan(model, "h2o", Budget(tokens=9, threshold=1.2), recent_ratio=0.25)
+    steps = run_against_reference(model, BruteForceH2O(9, recent_ratio=0.25, threshold=1.2), plan, ids, mask, STEPS)
+    counts = [len(head) for step in steps for layer in step.values() for row in layer for head in row]
+    assert max(counts) <= 9 and len(set(counts)) > 3, sorted(set(counts))

@@ -12,6 +12,7 @@ import pytest
 from helpers import run_against_reference, uniform_plan
 from policy_references import (
     BruteForceAdaKV,
+    BruteForceD2O,
     BruteForceFastGen,
     BruteForceLazy,
     BruteForceRoCo,
@@ -21,7 +22,10 @@ from policy_references import (
 )
 from tiny_models import padded_batch, tiny_model
 
+from kvpolicy.hf.session import model_shape
 from kvpolicy.recipe.budget import Budget
+from kvpolicy.recipe.plan import HeadPlan, LayerPlan, Plan
+from kvpolicy.registry import get_registry
 
 STEPS = 9  # the prefill pass plus 8 decode steps
 FG_SPECIAL = (3, 5)
@@ -51,6 +55,14 @@ CASES = {
     # recalls at 1.5x the uniform share; window 2: the prompts' last 2 queries, an eviction every other step
     "lazy-strict": (lambda: BruteForceLazy(7, window=2, threshold=1.5), "lazy", Budget(tokens=7),
                     {"window": 2, "threshold": 1.5}),
+    # D2O: H2O's ranking, every evicted token merged or dropped by its head's EMA threshold, layer budgets from the
+    # layers' attention sparsity (fixed at each row's first eviction)
+    "d2o": (lambda: BruteForceD2O(6), "d2o", Budget(tokens=6), {}),
+    "d2o-wide": (lambda: BruteForceD2O(11, recent_ratio=0.3, ema_keep=0.3, ema_new=0.7), "d2o", Budget(tokens=11),
+                 {"recent_ratio": 0.3, "ema_keep": 0.3, "ema_new": 0.7}),
+    "d2o-merge-only": (lambda: BruteForceD2O(7, layer_budgets=False), "d2o", Budget(tokens=7), {"layer_budgets": False}),
+    # a kept token weighs the tokens it stands for: merged ones carry their own count along
+    "d2o-mass": (lambda: BruteForceD2O(5, keep_mass=True), "d2o", Budget(tokens=5), {"keep_mass": True}),
     # protected: 1 sink + 4 (half the budget): the 3 least stable other tokens stay out of the scope
     "roco": (
         lambda: BruteForceRoCo(8, recent_ratio=0.5, sink_length=1, recent_tokens=1),
@@ -123,7 +135,28 @@ def test_matches_bruteforce(case, arch):
     assert all(len(head) < 17 for head in steps[0][0][0])  # the longest prompt was really compressed
     if arch == "llama" and policy != "tova":  # per-head policies: the heads of a layer choose differently
         assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
+    if policy == "d2o":  # tokens were merged (and logits still equal: the merges matched); layers' budgets differ
+        assert reference.merges > 0
+        if case == "d2o-wide" and arch == "llama":
+            assert len({tuple(b) for b in reference.budgets.values()}) > 1, reference.budgets
     if policy == "adakv":  # heads of a layer keep different numbers of tokens, summing to the layer's budget
         counts = [[len(head) for head in row] for step in steps for layer in layers for row in step[layer]]
         assert any(len(set(row)) > 1 for row in counts)
         assert all(sum(row) <= budget.tokens * len(row) for row in counts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_d2o_with_budgets_per_head_matches_bruteforce_on_ragged_storage(arch):
+    """KV heads with their own budgets (5 and 10 here, 3 to 10 on OPT's four heads) scaled by one layer share: the
+    cells differ enough for ragged storage, where merges must land in the right segment rows."""
+    model = tiny_model(arch)
+    layers, heads = model_shape(model)
+    budgets = [5, 10] if heads == 2 else [3, 10, 6, 8]
+    params = get_registry().get("d2o").Params()
+    plan = Plan("d2o-heads", [LayerPlan([HeadPlan("d2o", params, Budget(tokens=n)) for n in budgets])
+                              for _ in range(layers)])
+    ids, mask = padded_batch(lengths=(17, 12, 9))
+    reference = BruteForceD2O(max(budgets), head_budgets=budgets)
+    run_against_reference(model, reference, plan, ids, mask, STEPS)
+    cache = reference.kvpolicy_cache
+    assert reference.merges > 0 and all(layer.ragged for layer in cache.layers)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import kvpolicy
-from kvpolicy.errors import RecipeError
+from kvpolicy.errors import KVPolicyError, RecipeError
 from kvpolicy.recipe import builtin_recipe_names, load_recipe, with_budget
 from kvpolicy.recipe.budget import UNBOUNDED, Budget
 
@@ -421,7 +421,7 @@ def test_missing_file(tmp_path):
 
 
 def test_unknown_builtin_name():
-    with pytest.raises(RecipeError, match=r'did you mean "h2o".*Built-in recipes: adakv, fastgen, fastgen-smollm2, full, h2o'):
+    with pytest.raises(RecipeError, match=r'did you mean "h2o".*Built-in recipes: adakv, d2o, d2o-merge, fastgen, fastgen-smollm2, full, h2o'):
         load_recipe("h2")
 
 
@@ -441,3 +441,26 @@ def test_top_level_not_mapping(tmp_path, text):
 def test_unknown_backend(tmp_path):
     message = error(tmp_path, "kvpolicy: 1\nbackend: trtion\n")
     assert "r.yaml:2: backend" in message and 'did you mean "triton"' in message
+
+
+# --- threshold budgets ---------------------------------------------------------------------------
+
+
+def test_a_threshold_budget_is_read_described_and_kept_by_a_sweep():
+    recipe = load_recipe("h2o-threshold")
+    assert recipe.budget == Budget(ratio=0.3, threshold=1.0)
+    assert recipe.budget.describe() == "tokens scoring >= 1x the mean, at most 0.3 of prompt"
+    assert with_budget(recipe, Budget(ratio=0.1)).budget == Budget(ratio=0.1, threshold=1.0)
+    with pytest.raises(KVPolicyError, match="a budget in bytes cannot size"):
+        with_budget(recipe, Budget(memory=0.2))
+
+
+@pytest.mark.parametrize(("budget", "line", "words"), [
+    ("{threshold: 1.0}", 3, "budget.threshold: a threshold needs a cap"),
+    ("{ratio: 0.3, threshold: -1}", 3, "budget.threshold: must be a number > 0, got -1"),
+    ("{ratio: 0.3, threshold: high}", 3, "budget.threshold: must be a number > 0"),
+    ("{memory: 0.3, threshold: 1.0}", 3, "precision tiers and memory budgets cannot size"),
+])
+def test_a_bad_threshold_names_its_line_and_the_fix(tmp_path, budget, line, words):
+    message = error(tmp_path, f"kvpolicy: 1\npolicy: h2o\nbudget: {budget}\n")
+    assert f":{line}: " in message and words in message, message

@@ -84,13 +84,12 @@ def test_adakv_head_budgets_held_and_coherent_text(smollm2):
     assert sum(layer["ragged"] for layer in report.layers) >= 10  # 20 here; near-even layers stay dense
 
 
-def test_lazy_evicts_once_a_window_and_frees_the_rest(smollm2):
-    """LazyEviction (20%, window 32): the cache falls back to the budget once every 32 tokens and holds at most a
-    window more in between, in every layer and head; the memory held follows that; the text stays right."""
+def generate_recording(smollm2, recipe: str, new_tokens: int):
+    """Greedy generation after `days_prompt` under ``recipe``: (prompt tokens, continuation, the cache, and after each
+    forward pass the tokens each [layer, KV head] holds and the live KV bytes)."""
     model, tokenizer = smollm2
     inputs = days_prompt(tokenizer)
-    prompt_tokens = inputs["input_ids"].shape[1]
-    session = kvpolicy.attach(model, kvpolicy.load_recipe("lazy"))
+    session = kvpolicy.attach(model, kvpolicy.load_recipe(recipe))
     counts, live = [], []
 
     def record(input_ids, scores):
@@ -99,9 +98,16 @@ def test_lazy_evicts_once_a_window_and_frees_the_rest(smollm2):
         return scores
 
     with torch.inference_mode():
-        output = session.generate(**inputs, max_new_tokens=70, do_sample=False, logits_processor=[record])
+        output = session.generate(**inputs, max_new_tokens=new_tokens, do_sample=False, logits_processor=[record])
     session.detach()
-    text = tokenizer.decode(output[0, prompt_tokens:])
+    prompt_tokens = inputs["input_ids"].shape[1]
+    return prompt_tokens, tokenizer.decode(output[0, prompt_tokens:]), session.last_cache, counts, live
+
+
+def test_lazy_evicts_once_a_window_and_frees_the_rest(smollm2):
+    """LazyEviction (20%, window 32): the cache falls back to the budget once every 32 tokens and holds at most a
+    window more in between, in every layer and head; the memory held follows that; the text stays right."""
+    prompt_tokens, text, cache, counts, live = generate_recording(smollm2, "lazy", 70)
     assert "Thursday" in text and "Friday" in text, text
     budget = math.ceil(0.2 * prompt_tokens)
     assert prompt_tokens > budget + 31  # the prompt itself is evicted
@@ -109,6 +115,40 @@ def test_lazy_evicts_once_a_window_and_frees_the_rest(smollm2):
         assert torch.equal(held, torch.full((30, 3), budget + step % 32)), step
     token_bytes = 30 * 3 * 2 * 64 * 4  # K and V of one token over every layer and KV head, fp32
     assert live[0] == budget * token_bytes and live[32] == budget * token_bytes and live[31] == (budget + 31) * token_bytes
+
+
+def test_d2o_holds_its_layer_budgets_merges_and_frees_the_rest(smollm2):
+    """D2O (20%): each layer holds its own budget (the recipe's scaled by how evenly its attention spreads), the same
+    in all its heads and steady while decoding, near 20% over the model; every head merged at its evictions; the
+    memory report counts what is kept; the text stays right."""
+    prompt_tokens, text, cache, counts, live = generate_recording(smollm2, "d2o", 30)
+    assert "Thursday" in text and "Friday" in text, text
+    budget = math.ceil(0.2 * prompt_tokens)
+    layers = cache.layers
+    limits = torch.stack([layer.budgets.limits[0] for layer in layers])  # [30, 3]
+    assert torch.equal(limits, limits[:, :1].expand_as(limits))  # one budget per layer
+    assert len(set(limits[:, 0].tolist())) > 5  # ... that differs between layers
+    assert 0.8 * 30 * budget <= int(limits[:, 0].sum()) <= 1.2 * 30 * budget
+    for step, held in enumerate(counts):
+        assert torch.equal(held, limits), step
+    token_bytes = 2 * 64 * 4  # K and V of one token of one KV head, fp32
+    assert live[0] == live[-1] == int(limits.sum()) * token_bytes
+    for layer in layers:  # every head evicted, so every head's merge threshold was started by a mean similarity
+        started, tau = layer.cell_state["0.started"], layer.cell_state["0.threshold"]
+        assert bool(started.all()) and bool(((tau > -1) & (tau <= 1)).all())
+
+
+def test_a_threshold_budget_keeps_what_clears_it_per_head_and_frees_the_rest(smollm2):
+    """h2o-threshold (at most 30%): heads keep different counts, most of them below the cap, steady while decoding
+    (no ratchet down to nothing); the memory report counts only what is kept; the text stays right."""
+    prompt_tokens, text, cache, counts, live = generate_recording(smollm2, "h2o-threshold", 12)
+    assert "Thursday" in text and "Friday" in text, text
+    cap = math.ceil(0.3 * prompt_tokens)
+    first, last = counts[0].float(), counts[-1].float()
+    assert int(counts[0].max()) <= cap and first.mean() < 0.8 * cap and len(set(counts[0].flatten().tolist())) > 10
+    assert 0.8 * first.mean() < last.mean() <= cap  # the bar is over the tokens seen, not the kept ones
+    token_bytes = 2 * 64 * 4  # K and V of one token and KV head, fp32
+    assert live[-1] == int(counts[-1].sum()) * token_bytes
 
 
 @pytest.mark.parametrize("recipe", ["fastgen", "fastgen-smollm2"])

@@ -639,6 +639,17 @@ def test_a_prefix_cache_hit_continues_the_state_a_full_prefill_leaves(policy, pa
         cache.restore_snapshot(8, torch.arange(cut))
 
 
+def test_a_threshold_budget_is_refused_in_one_line():
+    threshold = {"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.3, "threshold": 1.0}}
+    with pytest.raises(KVPolicyError, match=r"budget\.threshold \(layer 0\): .*one count; give the budget as ratio"):
+        paged_plan(Settings(recipe=threshold), 30, 3, 32)
+
+
+def test_a_merging_policy_is_refused_in_one_line():
+    with pytest.raises(KVPolicyError, match=r"policy 'd2o' \(layer 0\) merges evicted tokens .* use h2o$"):
+        paged_plan(Settings(recipe={"kvpolicy": 1, "policy": "d2o", "budget": {"ratio": 0.2}}), 30, 3, 32)
+
+
 def test_which_recipes_run_with_prefix_caching():
     def plan(policy: str, params: dict | None = None):
         return paged_plan(Settings(recipe=recipe(policy, {"tokens": 10}, slack=3, params=params)), 1, HKV, BLOCK)

@@ -33,6 +33,9 @@ class CellBudgets:
         if self.dynamic_cells is not None:
             self.limited_cells |= self.dynamic_cells
         self.any_limited = bool(self.limited_cells.any())
+        # [B or 1, Hkv]: a threshold budget's factor (0: none); those cells keep what scores above it, up to the limit
+        self.thresholds = torch.tensor([[h.budget.threshold or 0.0 for h in row.heads] for row in rows])
+        self.thresholded = bool(self.thresholds.any())
         self.recipe_slack = max([h.budget.slack for row in rows for h in row.heads]
                                 + [g.policy.lag for g in groups if g.policy.evicts])
         self.slack = self.recipe_slack
@@ -91,7 +94,7 @@ class CellBudgets:
             return
         if self.allocating:
             self.allocated = torch.zeros_like(self.limits, dtype=torch.bool)
-        elif not self.dynamic:  # budgets that change at every eviction have no one limit
+        elif not self.dynamic and not self.thresholded:  # budgets that change at every eviction have no one limit
             self._note_uniform()
 
     def _resolve_tiers(self, prompt: torch.Tensor) -> None:
@@ -146,6 +149,17 @@ class CellBudgets:
         self.limits = limits
         if not self.allocation_pending() and not self.dynamic:
             self._note_uniform()  # an even split: the dense decode fast path applies again
+
+    def under_threshold(self, limits: torch.Tensor, scores: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """[B, Hkv]: the limits of threshold cells lowered to the tokens that clear their threshold: pinned ones
+        (+inf) and those scoring at least threshold x the cell's finite scores spread evenly over the ``seen`` [B]
+        tokens of its row. Over the tokens seen, not the ones kept: a mean over the kept ones would rise at each
+        eviction and evict again, down to nothing."""
+        factor = self.thresholds.to(scores.device).expand_as(limits)
+        finite = torch.isfinite(scores)
+        mean = torch.where(finite, scores, 0.0).sum(dim=2) / seen[:, None].clamp(min=1)
+        clears = (scores == torch.inf) | (finite & (scores >= (factor * mean)[..., None]))
+        return torch.where(factor > 0, torch.minimum(limits, clears.sum(dim=2)), limits)
 
     def effective(self, count: torch.Tensor) -> torch.Tensor:
         """[B, Hkv]: the limit of each cell, its own count where it has none."""

@@ -30,8 +30,10 @@ from ..storage.dense import DenseStore
 from ..storage.ragged import RaggedStore, ragged_pays
 from ..storage.tiered import TieredStore
 from .budgets import CellBudgets
+from .layer_shares import LayerLedger
 from .memory_report import LayerMemory, layer_memory
-from .policy_group import LayerPolicies, PolicyGroup, call_policy
+from .merging import merge_evicted
+from .policy_group import LayerPolicies, PolicyGroup, call_policy, checked
 from .static_step import StaticStep
 
 
@@ -44,9 +46,11 @@ class TokenFeed:
 
 class PolicyLayer:
     def __init__(self, layer_idx: int, rows: list[LayerPlan], policies: LayerPolicies,
-                 prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None):
+                 prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None,
+                 ledger: LayerLedger | None = None):
         """``rows``: the layer's plan for every batch row (one `LayerPlan` shared by all rows, or one per row);
-        ``policies``: the layer's policies over those cells (`LayerPolicies.of_rows`)."""
+        ``policies``: the layer's policies over those cells (`LayerPolicies.of_rows`); ``ledger``: shared by the
+        layers of one cache when a policy weighs layers (`Policy.weighs_layers`)."""
         self.layer_idx, self.policies, self.backend = layer_idx, policies, backend
         groups = policies.groups
         instances = [g.policy for g in groups]
@@ -56,6 +60,12 @@ class PolicyLayer:
             if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
                 self.near_ratio[g.cells] = g.policy.near_ratio
         self.drops_early = any(p.drops_early for p in instances)
+        self.merging = [g for g in groups if g.policy.merges]
+        self.weighing = [g for g in groups if g.policy.weighs_layers]
+        self.ledger = ledger if self.weighing else None
+        if self.weighing and ledger is None:
+            raise KVPolicyError(f"layer {layer_idx}: policy {self.weighing[0].policy.name!r} weighs layers against each "
+                                "other, which needs the ledger its cache shares among its layers (LayerLedger)")
         # per-slot token ids, kept only when a policy reads them (FastGen's special/punctuation tokens)
         self.token_id_policies = [p.name for p in instances if p.needs_token_ids]
         self.token_feed: TokenFeed | None = None
@@ -69,7 +79,7 @@ class PolicyLayer:
         self.kernel_reads_tiers = False  # set when a tiered store is made (`_initialize`)
         if self.budgets.tiers:
             refused = [(p.name, why) for p in instances for flag, why in (
-                (p.allocates, "splits budgets among its heads"), (p.dynamic_budget, "sets its own budgets"),
+                (p.merges, "merges evicted tokens into kept ones"), (p.allocates, "splits budgets among its heads"), (p.dynamic_budget, "sets its own budgets"),
                 (p.in_cache_positions, "re-rotates keys to in-cache positions")) if flag]
             if refused:
                 raise KVPolicyError(f"layer {layer_idx}: policy {refused[0][0]!r} {refused[0][1]}, which precision tiers "
@@ -85,6 +95,8 @@ class PolicyLayer:
         self.pending: tuple[int, int] | None = None  # (first slot, count) of the tokens this pass appended
         self.pass_has_pads = False
         self.profiled = not self.profiling
+        if self.ledger is not None:
+            self.ledger.forget(self.layer_idx)
 
     @property
     def is_initialized(self) -> bool:
@@ -209,6 +221,8 @@ class PolicyLayer:
                 call_policy(group.policy, "profile", group.policy.profile, self.group_state(group), stats, view)
             self.profiled = True
         self.observe(stats)
+        if self.ledger is not None and self.budgets.allocation_pending():  # a row's weight counts until its budgets are set
+            self._report_weight()
         self.pending = None
         self.store.end_pass()
         self._evict()
@@ -216,6 +230,19 @@ class PolicyLayer:
     def observe(self, stats: AttentionStats | None) -> None:
         """Each policy that reads statistics observes this call's."""
         self.policies.observe(self.group_state, stats)
+
+    def _report_weight(self) -> None:
+        view = self.token_view()
+        weights = [call_policy(g.policy, "layer_weight", g.policy.layer_weight, self.group_state(g), view)
+                   for g in self.weighing]
+        rows = view.seen.shape
+        for group, weight in zip(self.weighing, weights, strict=True):
+            weight = checked(group.policy, "layer weights", weight, rows, "batch")
+            if not bool((weight > 0).all()):
+                raise KVPolicyError(f"policy {group.policy.name!r} gave layer {self.layer_idx} a weight <= 0 (or NaN); "
+                                    "layer weights must be > 0")
+        open_rows = ~self.budgets.allocated.any(dim=1) if self.budgets.allocated is not None else None
+        self.ledger.report(self.layer_idx, torch.stack(weights).mean(dim=0), open_rows)
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
         """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""
@@ -229,6 +256,7 @@ class PolicyLayer:
         return TokenView(
             positions=self.positions[:, :, :used], valid=self.valid[:, :, :used], seen=self.tokens_seen,
             budget=self.budgets.view_limits, token_ids=ids[:, :, :used] if ids is not None else None,
+            layer_share=self.ledger.share(self.layer_idx) if self.ledger is not None else None,
         )
 
     # --- eviction ---------------------------------------------------------------------------------------
@@ -248,7 +276,7 @@ class PolicyLayer:
                 over = store.packed_tokens - budgets.uniform_limit
                 if over <= budgets.slack:
                     return
-                if over == 1:
+                if over == 1 and not self.merging:
                     store.drop_one(self._scores().argmin(dim=2))  # the decode step: one token out per cell
                     self.evictions += 1
                     return
@@ -256,11 +284,17 @@ class PolicyLayer:
         if budgets.allocation_pending():
             budgets.allocate(self.group_state, self.token_view(), count)
         limit = budgets.effective(count)
+        scores = None
+        if budgets.thresholded:  # what a threshold keeps depends on the scores: they are read at every pass
+            scores = self._scores()
+            limit = budgets.under_threshold(limit, scores, self.token_view().seen)
         if not self.pass_has_pads and int((count - limit).max()) <= budgets.slack and not store.wants_scores():
             store.evict(None, count, count)  # nothing to drop; a format may still settle this pass's tokens
             return
-        scores = self._scores()
+        scores = self._scores() if scores is None else scores
         keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))
+        if self.merging:
+            scores = merge_evicted(store, self.merging, self.group_state, self.token_view(), scores, keep)
         self.evictions += 1
         store.evict(scores, keep, count)
         if isinstance(store, DenseStore) and budgets.any_limited:

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from ..backend.rotary import find_inv_freq
 from ..backend.select import select_backend
+from ..cache.layer_shares import LayerLedger
 from ..cache.policy_group import LayerPolicies, make_policies
 from ..errors import KVPolicyError
 from ..policies.base import Policy
@@ -77,11 +78,12 @@ class Session:
             raise KVPolicyError(f"prompt_tokens={prompt_tokens!r}: give the prompt's length, a whole number >= 1")
         plans = self.row_plans or [self.plan]
         layers = []
+        ledger = LayerLedger() if any(p.weighs_layers for p in self._policies.values()) else None
         for index in range(len(self.plan.layers)):
             rows = [plan.layers[index] for plan in plans]
             policies = LayerPolicies.of_rows(rows, self._policies)
             inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in policies.groups) else None
-            layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq))
+            layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
         if self.last_cache.token_feed is not None:

@@ -62,11 +62,29 @@ class TokenView:
     seen: torch.Tensor  # [B] int64
     budget: torch.Tensor  # [B, Hkv] int64
     token_ids: torch.Tensor | None = None  # [B, Hkv, T] int32, when a policy asked for them (`needs_token_ids`)
+    #: [B] float, for policies that weigh layers (`weighs_layers`): this layer's `layer_weight` over the mean weight of
+    #: the model's layers that gave one so far (1.0 for a layer alone); None for every other policy
+    layer_share: torch.Tensor | None = None
 
     def recent_mask(self, count: torch.Tensor) -> torch.Tensor:
         """Slots holding one of the ``count`` (per row/head, [B, Hkv]) most recent real tokens."""
         age = self.seen[:, None, None] - self.positions  # 1 for the newest token
         return self.valid & (age <= count[..., None])
+
+
+@dataclass
+class MergePlan:
+    """What a merging policy (`Policy.merges`) does with the tokens the cache is about to evict.
+
+    For each slot, ``target`` is the kept slot of the same cell it merges into, or -1 (dropped);
+    ``weight`` its weight. A kept slot that receives merges weighs ``self_weight``; its new K and
+    V are the weighted mean of its own and those merged into it (the weights normalized to sum
+    to 1), so a token merged with itself is unchanged. Entries of kept slots are ignored.
+    """
+
+    target: torch.Tensor  # [B, Hkv, T] int64, -1: drop
+    weight: torch.Tensor  # [B, Hkv, T] float >= 0
+    self_weight: torch.Tensor  # [B, Hkv, T] float > 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +142,11 @@ class Policy:
     #: True if the cache re-rotates this policy's keys (and queries) to their index within the cache at every
     #: call (StreamingLLM's in-cache positions) instead of keeping their original RoPE positions.
     in_cache_positions: bool = False
+    #: True if the policy merges the tokens the cache evicts into kept ones (``merge``) instead of dropping them.
+    merges: ClassVar[bool] = False
+    #: True if ``layer_weight`` says how much of the model's budget this layer needs; ``view.layer_share`` then
+    #: carries it, relative to the other layers, to ``allocate``.
+    weighs_layers: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -170,6 +193,17 @@ class Policy:
 
         Runs before ``observe`` of the same call.
         """
+
+    def merge(self, state: dict[str, torch.Tensor], view: TokenView, keys: torch.Tensor,
+              kept: torch.Tensor) -> MergePlan:
+        """Only if ``merges``: where the tokens leaving the cache go, given the layer's ``keys`` [B, Hkv, T, D] (the slots
+        in use) and ``kept`` [B, Hkv, T] bool (what stays). Called at every eviction, before the store compacts."""
+        raise NotImplementedError
+
+    def layer_weight(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+        """Only if ``weighs_layers``: [B] float > 0, how much this layer needs relative to others (higher: more). Asked
+        after each attention call until the layer's budgets are allocated."""
+        raise NotImplementedError
 
     def prepare(self, model: Any = None, tokenizer: Any = None) -> None:
         """Called by `attach` with the model and the tokenizer (None when not given): resolve what depends on them."""

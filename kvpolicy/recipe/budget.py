@@ -71,6 +71,7 @@ class Budget:
     by_policy: bool = False
     memory: float | None = None
     tiers: tuple[Tier, ...] = ()
+    threshold: float | None = None  # keep only tokens scoring >= threshold x the mean, up to the amount
     schedule: Schedule | None = None
     inherits: frozenset[str] = field(default=frozenset(), compare=False)
     source: str = field(default="budget", compare=False)
@@ -113,7 +114,7 @@ class Budget:
     def amount_only(self) -> Budget:
         """The amount alone (tokens, ratio or memory, and tiers): slack, schedule and source dropped."""
         return Budget(tokens=self.tokens, ratio=self.ratio, by_policy=self.by_policy, memory=self.memory,
-                      tiers=self.tiers)
+                      tiers=self.tiers, threshold=self.threshold)
 
     def describe(self) -> str:
         if self.tokens is not None:
@@ -126,6 +127,8 @@ class Budget:
             text = "set by the policy"
         else:
             text = "unbounded"
+        if self.threshold is not None:
+            text = f"tokens scoring >= {self.threshold:g}x the mean, at most {text}"
         text += f" (+{self.slack} slack)" if self.slack else ""
         return text + (f" in tiers {' + '.join(t.describe() for t in self.tiers)}" if self.tiers else "")
 

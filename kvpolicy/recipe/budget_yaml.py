@@ -112,6 +112,9 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
     tiers = () if "tiers" not in raw else read_tiers(raw["tiers"], f"{path}.tiers", file, line_of(raw, "tiers"),
                                                       given[0] if len(given) == 1 else None)
     inherits = frozenset({"slack"} if rule and "slack" not in raw else ())
+    if "threshold" in raw and not given:
+        raise recipe_error(file, line_of(raw, "threshold"), f"{path}.threshold", "a threshold needs a cap",
+                           "Give the most tokens to keep beside it: budget: {ratio: 0.3, threshold: 1.0}")
     if (rule and not given and schedule is not None) or (not given and tiers and schedule is None):
         if rule:
             inherits |= {"amount"}
@@ -131,6 +134,16 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
         raise recipe_error(file, line_of(raw, "tokens"), f"{path}.tokens",
                            f"must be an integer from 1 to {MAX_TOKENS:,}, got {quote(tokens)}",
                            number_hint(tokens) or "A budget in tokens counts the tokens each KV head keeps")
+    threshold = raw.get("threshold")
+    if threshold is not None:
+        where = (file, line_of(raw, "threshold"), f"{path}.threshold")
+        if not (type_ok(threshold, float) and threshold > 0):
+            raise recipe_error(*where, f"must be a number > 0, got {quote(threshold)}", number_hint(threshold)
+                               or "Keep the tokens scoring at least this many times the mean, e.g. 1.0")
+        if memory is not None or tiers:
+            raise recipe_error(*where, "a threshold keeps a number of tokens that follows the input, which precision "
+                               "tiers and memory budgets cannot size", "Give the cap as ratio: or tokens:, without tiers")
+        threshold = float(threshold)
     return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack,
-                  memory=None if memory is None else float(memory), tiers=tiers, schedule=schedule, inherits=inherits,
-                  source=path)
+                  memory=None if memory is None else float(memory), tiers=tiers, threshold=threshold,
+                  schedule=schedule, inherits=inherits, source=path)

@@ -143,15 +143,20 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
 def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
     """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs).
 
-    The recipe's precision tiers, slack and layer schedule stay unless ``budget`` gives its own (a slack above 0): a
-    sweep over amounts keeps each recipe's way of spending them (Scissorhands drops 16 tokens at once,
-    h2o-mixed moves 16 down a tier at once, at every amount)."""
+    The recipe's precision tiers, slack, threshold and layer schedule stay unless ``budget`` gives its own (a slack
+    above 0): a sweep over amounts keeps each recipe's way of spending them (Scissorhands drops 16 tokens at once,
+    h2o-mixed moves 16 down a tier at once, a threshold recipe keeps what clears its threshold, at every amount)."""
     if not isinstance(budget, Budget):
         raise TypeError(f"expected a kvpolicy.Budget, got {budget!r}")
     if not budget.tiers and recipe.budget is not None and recipe.budget.tiers:
         budget = dataclasses.replace(budget, tiers=recipe.budget.tiers)
     if not budget.slack and recipe.budget is not None and recipe.budget.slack:
         budget = dataclasses.replace(budget, slack=recipe.budget.slack)
+    if budget.threshold is None and recipe.budget is not None and recipe.budget.threshold is not None:
+        if budget.memory is not None:
+            raise KVPolicyError(f"recipe {recipe.name!r} keeps tokens above a threshold, which a budget in bytes "
+                                "cannot size: give it a budget in tokens or as a ratio of the prompt")
+        budget = dataclasses.replace(budget, threshold=recipe.budget.threshold)
     if budget.schedule is None and recipe.budget is not None and recipe.budget.schedule is not None:
         budget = dataclasses.replace(budget, schedule=recipe.budget.schedule)
     return dataclasses.replace(recipe, budget=budget)

@@ -91,6 +91,9 @@ BUDGET = (
     Key("tiers", "list of tier mappings", None, "precision tiers, best first: the policy's best-ranked tokens go "
         "to the first tier, the next to the lower ones, the rest is evicted; see the tier keys",
         "none: tokens kept at the model's dtype (a memory budget: one 16-bit tier)"),
+    Key("threshold", "number > 0", None, "keep only the tokens whose score is at least this many times the mean "
+        "score of the head's other unpinned tokens, up to the amount (ratio or tokens), so the tokens kept follow "
+        "the input; the cache scores at every step", "none: keep the amount"),
     Key("slack", "integer >= 0", 0, "tokens a head may go over budget before one compaction drops them all "
         "(amortized eviction: fewer compactions, up to `slack` tokens more memory)"),
     Key("schedule", f"one of {', '.join(SCHEDULES)}", "uniform", "how the budget is spread over the layers "

@@ -117,6 +117,38 @@ class KVStore(ABC):
         """Attention is done with this pass's K/V (drop transient copies)."""
         return None
 
+    # --- merging (formats whose rows a merge can rewrite in place: dense and ragged) ------------------------
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[rows, D]`` views of the storage itself (writes land in the cache)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge tokens")
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of `flat_kv` holding slots ``slots`` [B, Hkv, M] of each cell, between passes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot merge tokens")
+
+    def slot_keys(self) -> torch.Tensor:
+        """Keys of the slots in use, [B, Hkv, used, D], between passes (a copy where the format is not dense)."""
+        slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
+        return self.flat_kv()[0][self.slot_rows(slots)]
+
+    def merge(self, source: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, self_weight: torch.Tensor) -> None:
+        """Merge slot ``source`` into slot ``target`` of the same cell (each [B, Hkv, M]; weight 0: nothing).
+
+        Each target's K and V become the weighted mean of its own (``self_weight``) and of the sources merged into it
+        (``weight``). Sources must not be targets; call it before `evict` drops them.
+        """
+        chosen = weight > 0
+        if not bool(chosen.any()):
+            return
+        src, dst = self.slot_rows(source)[chosen], self.slot_rows(target)[chosen]
+        targets, inverse = torch.unique(dst, return_inverse=True)
+        own = torch.zeros(targets.shape[0], device=dst.device).scatter_(0, inverse, self_weight[chosen].float())
+        total = own + torch.zeros_like(own).index_add_(0, inverse, weight[chosen].float())
+        for flat in self.flat_kv():
+            mixed = flat.index_select(0, targets).float() * own[:, None]
+            mixed.index_add_(0, inverse, flat.index_select(0, src).float() * weight[chosen].float()[:, None])
+            flat.index_copy_(0, targets, (mixed / total[:, None]).to(flat.dtype))
+
 
 def top_kept(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, T] bool: the ``keep`` [B, Hkv] highest ``scores`` of each cell."""

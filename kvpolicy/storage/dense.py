@@ -119,5 +119,16 @@ class DenseStore(KVStore):
         self.used = width
         self.packed_tokens = width if int(keep.min()) == width else None
 
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys.view(-1, self.keys.shape[-1]), self.values.view(-1, self.values.shape[-1])
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        batch, heads = slots.shape[:2]
+        cells = torch.arange(batch * heads, device=slots.device).view(batch, heads, 1)
+        return cells * self.keys.shape[2] + slots
+
+    def slot_keys(self) -> torch.Tensor:
+        return self.keys[:, :, : self.used]
+
     def kv_bytes(self) -> int:
         return storage_bytes(self.keys) + storage_bytes(self.values)

@@ -184,6 +184,14 @@ class RaggedStore(KVStore):
             self.room = int((self.cap - keep).min())
         self._fit_slots(width)
 
+    def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+    def slot_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        # a cell's first cell_tokens slots sit at the start of its segment, this pass's after them
+        tokens = self.cell_tokens[..., None]
+        return self.offset[..., None] + torch.where(slots < tokens, slots, tokens + slots - self.appended)
+
     def kv_bytes(self) -> int:
         return storage_bytes(self.keys) + storage_bytes(self.values)
 

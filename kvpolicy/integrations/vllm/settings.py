@@ -167,6 +167,11 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     policies = make_policies([plan], registry, check=lambda policy, layer: _check_policy(policy, where, layer))
     for index, layer in enumerate(plan.layers):
         for head in layer.heads:
+            if head.budget.threshold is not None:
+                raise KVPolicyError(
+                    f"{where}: budget.threshold (layer {index}): a threshold keeps a number of tokens per KV head that "
+                    "follows the input, but a vLLM KV block holds every head of a layer at one count; give the budget "
+                    "as ratio: or tokens: alone, or run the recipe with transformers")
             if head.budget.tiered:
                 raise KVPolicyError(
                     f"{where}: budget.{'memory' if head.budget.memory is not None else 'tiers'} (layer {index}): "
@@ -211,6 +216,10 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
 
 def _check_policy(policy: Policy, where: str, layer: int) -> None:
     name = policy.name
+    if policy.merges:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) merges evicted tokens into kept ones, which vLLM's paged cache "
+            "does not do (its blocks are only kept or freed); run it on transformers, or use h2o")
     if policy.allocates:
         raise KVPolicyError(
             f"{where}: policy {name!r} (layer {layer}) splits each layer's budget among its KV heads, but a vLLM KV "

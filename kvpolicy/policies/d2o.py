@@ -1,0 +1,103 @@
+"""D2O (Wan et al., ICLR'25, arXiv 2406.13035): H2O that merges what it evicts, under budgets set per layer.
+
+Tokens rank as in H2O (accumulated attention; `recent_ratio` of the budget pinned to the newest).
+
+Layer budgets: a KV head's sparsity is 1 - n_eff / n, n_eff = 1 / sum(p^2) for p its accumulated
+attention over its n tokens as a distribution (0 when even, towards 1 when concentrated; a
+monotone function of p's variance that compares across layers). A layer's weight is exp(-its
+heads' mean sparsity); its budget the recipe's times its weight over the mean weight of the
+layers (the paper's softmax over layers, `view.layer_share`), fixed at the layer's first eviction.
+
+Merging: each evicted token finds the kept token of its KV head whose key is most similar
+(cosine u). Each head keeps a threshold, an EMA of the mean best similarity at each eviction
+(tau <- ema_keep * tau + ema_new * mean, started by the first eviction's mean). A token with u >= tau
+merges into its match with weight exp(u), the match weighing e (exp of its similarity with
+itself): the match's K and V become the weighted mean. Below tau the token is dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import MergePlan, TokenView
+from .h2o import H2O, H2OParams
+
+
+@dataclass(frozen=True)
+class D2OParams(H2OParams):
+    # weight of the previous threshold in its EMA (the authors' code: alpha 0.5)
+    ema_keep: float = 0.5
+    # weight of this eviction's mean best similarity (the authors' code: beta 0.5)
+    ema_new: float = 0.5
+    # false: every layer keeps the recipe's budget (merging alone)
+    layer_budgets: bool = True
+    # false: evicted tokens are dropped (the layer budgets alone)
+    merge: bool = True
+    # true: a kept token weighs e times the tokens it already stands for (itself and those merged into it), so that
+    # repeated merges do not wash it out; false: e, as the paper's formula
+    keep_mass: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        if not (self.ema_keep >= 0 and self.ema_new > 0):
+            raise ValueError("ema_keep must be >= 0 and ema_new > 0")
+
+
+class D2O(H2O):
+    name = "d2o"
+    description = "H2O that merges evicted tokens into their most similar kept ones, budgets set per layer"
+    Params = D2OParams
+    state = {"acc": torch.float32, "mass": torch.float32}  # mass: tokens merged into this one (and theirs), keep_mass only
+    cell_state = {"threshold": torch.float32, "started": torch.bool}
+    merges = True
+    weighs_layers = True
+    allocates = True
+
+    def __init__(self, params: D2OParams | None = None) -> None:
+        super().__init__(params)
+        if not self.params.keep_mass:  # no per-token mass to store
+            self.state = {"acc": torch.float32}
+
+    def layer_weight(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
+        acc = torch.where(view.valid, state["acc"], 0.0).double()
+        share = acc / acc.sum(dim=2, keepdim=True).clamp(min=1e-12)  # each head's attention as a distribution
+        effective = 1.0 / (share**2).sum(dim=2).clamp(min=1e-12)  # tokens it would spread evenly over
+        sparsity = 1.0 - effective / view.valid.sum(dim=2).clamp(min=1)
+        return torch.exp(-sparsity.mean(dim=1)).float()
+
+    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
+        if not self.params.layer_budgets or view.layer_share is None:
+            return view.budget
+        return torch.round(view.budget.double() * view.layer_share.double()[:, None]).long().clamp(min=1)
+
+    def merge(self, state: dict[str, torch.Tensor], view: TokenView, keys: torch.Tensor,
+              kept: torch.Tensor) -> MergePlan:
+        leaving = view.valid & ~kept
+        counts = leaving.sum(dim=2, keepdim=True)
+        width = int(counts.max())
+        order = torch.sort((~leaving).to(torch.int8), dim=2, stable=True).indices[..., :width]  # leaving slots first
+        present = torch.arange(width, device=keys.device) < counts
+        unit = F.normalize(keys.float(), dim=-1)
+        gone = unit.gather(2, order[..., None].expand(-1, -1, -1, unit.shape[-1]))
+        similarity = (gone @ unit.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], -torch.inf)
+        best, match = similarity.max(dim=-1)  # [B, Hkv, M]
+        mean = torch.where(present, best, 0.0).sum(dim=2) / counts[..., 0].clamp(min=1)
+        evicting, started, tau = counts[..., 0] > 0, state["started"], state["threshold"]
+        updated = torch.where(started, self.params.ema_keep * tau + self.params.ema_new * mean, mean)
+        tau.copy_(torch.where(evicting, updated, tau))
+        started |= evicting
+        merged = present & (best >= tau[..., None]) & self.params.merge
+        target = torch.full_like(view.positions, -1).scatter_(2, order, torch.where(merged, match, -1))
+        if not self.params.keep_mass:
+            weight = torch.zeros_like(state["acc"]).scatter_(2, order, torch.where(merged, best.exp(), 0.0))
+            return MergePlan(target=target, weight=weight, self_weight=torch.full_like(weight, math.e))
+        mass = state["mass"]
+        carried = torch.where(merged, 1.0 + mass.gather(2, order), 0.0)
+        weight = torch.zeros_like(mass).scatter_(2, order, torch.where(merged, best.exp(), 0.0) * carried)
+        self_weight = math.e * (1.0 + mass)
+        mass.scatter_add_(2, torch.where(merged, match, 0), carried)
+        return MergePlan(target=target, weight=weight, self_weight=self_weight)
