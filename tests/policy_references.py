@@ -267,7 +267,8 @@ class BruteForceLazy(BruteForce):
 class BruteForceD2O(BruteForceH2O):
     """Wan et al. (D2O): H2O's ranking; each layer's budget the recipe's times exp(-sparsity) over the mean of the
     layers' (sparsity: 1 - effective tokens / tokens of each KV head's accumulated attention, averaged over the heads),
-    fixed at the row's first eviction; each evicted token merged into its most cosine-similar kept key when that similarity
+    read over the tokens seen before the layer first evicts, fixed at the row's first eviction once every layer has a
+    weight (before that: the recipe's budget); each evicted token merged into its most cosine-similar kept key when that similarity
     reaches the head's EMA threshold, as the weighted mean (exp(similarity) for it, e for the kept token)."""
 
     name = "d2o_bruteforce"
@@ -283,6 +284,9 @@ class BruteForceD2O(BruteForceH2O):
         self.budgets = {}  # (layer, row) -> the row's budget in that layer, once fixed
         self.tau = {}  # (layer, row, kv head) -> threshold
         self.merges = 0  # tokens merged, over the run
+        self.layer_count: int | None = None  # the model's layers (set by the test): budgets wait for all their weights
+        self.passes = {}  # (layer, row) -> forward passes seen
+        self.first_eviction = {}  # layer -> the pass in which one of its rows first evicted
 
     def rule(self, layer, b, calls):
         score_of = {}
@@ -292,7 +296,9 @@ class BruteForceD2O(BruteForceH2O):
                 for j in cols:
                     score[j] = score.get(j, 0.0) + mean(head[j] for head in heads)
             score_of[h] = score
-        if (layer, b) not in self.budgets:  # the row's weight counts until its budget is set
+        self.passes[(layer, b)] = now = self.passes.get((layer, b), 0) + 1
+        evicted_before = self.first_eviction.get(layer, now) < now  # by any row of the layer, in an earlier pass
+        if (layer, b) not in self.budgets and not evicted_before:  # weights over the tokens seen before evicting
             sparsity = []
             for h, score in score_of.items():
                 values = [score[j] for j in self.kept[(layer, b, h)]]
@@ -301,8 +307,11 @@ class BruteForceD2O(BruteForceH2O):
                 sparsity.append(1.0 - effective / len(values))
             self.weights[(layer, b)] = math.exp(-mean(sparsity))
         recipe = self.head_budgets or [self.budget] * len(calls)
-        if (layer, b) not in self.budgets and any(len(self.kept[(layer, b, h)]) > recipe[h] for h in calls):
-            known = [w for (other, row), w in self.weights.items() if row == b]
+        known = [w for (other, row), w in self.weights.items() if row == b]
+        if self.layer_budgets and self.layer_count is None:
+            raise ValueError("BruteForceD2O: set layer_count to the model's layers")
+        everyone = not self.layer_budgets or len(known) == self.layer_count
+        if (layer, b) not in self.budgets and everyone and any(len(self.kept[(layer, b, h)]) > recipe[h] for h in calls):
             share = self.weights[(layer, b)] / mean(known) if self.layer_budgets else 1.0
             self.budgets[(layer, b)] = [max(1, round(limit * share)) for limit in recipe]
         budgets = self.budgets.get((layer, b), recipe)
@@ -314,6 +323,7 @@ class BruteForceD2O(BruteForceH2O):
             stay = set(sorted(kept, key=lambda j: (j in recent, score[j]), reverse=True)[:budget])
             self.merge(layer, b, h, sorted(kept - stay), sorted(stay))
             kept.intersection_update(stay)
+            self.first_eviction.setdefault(layer, now)
 
     def merge(self, layer, b, h, leaving, stay):
         def cosine(i, j):

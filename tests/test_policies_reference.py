@@ -121,6 +121,7 @@ def test_matches_bruteforce(case, arch):
     ids, mask = padded_batch(lengths=LENGTHS.get(policy, (17, 12, 9)))
 
     reference = make_reference()
+    reference.layer_count = model.config.num_hidden_layers
     steps = run_against_reference(model, reference, uniform_plan(model, policy, budget, **params), ids, mask, STEPS)
     layers = range(model.config.num_hidden_layers)
     if policy == "fastgen":  # the same pattern per (layer, row, KV head), and heads of one layer differ
@@ -157,6 +158,7 @@ def test_d2o_with_budgets_per_head_matches_bruteforce_on_ragged_storage(arch):
                               for _ in range(layers)])
     ids, mask = padded_batch(lengths=(17, 12, 9))
     reference = BruteForceD2O(max(budgets), head_budgets=budgets)
+    reference.layer_count = layers
     run_against_reference(model, reference, plan, ids, mask, STEPS)
     cache = reference.kvpolicy_cache
     assert reference.merges > 0 and all(layer.ragged for layer in cache.layers)

@@ -131,12 +131,16 @@ class CellBudgets:
         self._allocation_done = bool((self.allocated | ~owned.any(dim=0)).all())
         return not self._allocation_done
 
-    def allocate(self, state_of: StateOf, view: TokenView, count: torch.Tensor) -> None:
-        """Let allocating policies set the limits of rows at their first eviction; fixed afterwards."""
+    def allocate(self, state_of: StateOf, view: TokenView, count: torch.Tensor,
+                 deferred: list[PolicyGroup] | None = None) -> None:
+        """Let allocating policies set the limits of rows at their first eviction; fixed afterwards. ``deferred``
+        groups wait (a layer budget waiting for the layers above): their cells evict to the recipe's budget."""
         unlimited = ~self.limited_cells.to(count.device)
         over = (count - torch.where(unlimited, count, self.limits)) > self.slack
         limits = self.limits
         for group in self.allocating:
+            if deferred and any(group is waiting for waiting in deferred):
+                continue
             cells = group.cells.to(count.device).expand_as(over)
             rows = (over & cells).any(dim=1) & (cells & ~self.allocated).any(dim=1)
             if not bool(rows.any()):

@@ -95,6 +95,9 @@ class PolicyLayer:
         self.pending: tuple[int, int] | None = None  # (first slot, count) of the tokens this pass appended
         self.pass_has_pads = False
         self.profiled = not self.profiling
+        # a layer's weight (`Policy.layer_weight`) is read over the tokens it saw before it first evicted, so that
+        # weights given after one forward pass over the prompt compare across layers
+        self.weighs_tokens_seen = True
         if self.ledger is not None:
             self.ledger.forget(self.layer_idx)
 
@@ -221,7 +224,7 @@ class PolicyLayer:
                 call_policy(group.policy, "profile", group.policy.profile, self.group_state(group), stats, view)
             self.profiled = True
         self.observe(stats)
-        if self.ledger is not None and self.budgets.allocation_pending():  # a row's weight counts until its budgets are set
+        if self.ledger is not None and self.weighs_tokens_seen and self.budgets.allocation_pending():
             self._report_weight()
         self.pending = None
         self.store.end_pass()
@@ -282,7 +285,8 @@ class PolicyLayer:
                     return
         count = self.valid[:, :, : self.used].sum(dim=2)
         if budgets.allocation_pending():
-            budgets.allocate(self.group_state, self.token_view(), count)
+            waiting = self.weighing if self.ledger is not None and not self.ledger.complete else None
+            budgets.allocate(self.group_state, self.token_view(), count, waiting)
         limit = budgets.effective(count)
         scores = None
         if budgets.thresholded:  # what a threshold keeps depends on the scores: they are read at every pass
@@ -296,6 +300,7 @@ class PolicyLayer:
         if self.merging:
             scores = merge_evicted(store, self.merging, self.group_state, self.token_view(), scores, keep)
         self.evictions += 1
+        self.weighs_tokens_seen = False
         store.evict(scores, keep, count)
         if isinstance(store, DenseStore) and budgets.any_limited:
             if ragged_pays(budgets.segment_sizes(keep)):

@@ -77,11 +77,13 @@ class Session:
                                           or not 1 <= prompt_tokens <= MAX_TOKENS):
             raise KVPolicyError(f"prompt_tokens={prompt_tokens!r}: give the prompt's length, a whole number >= 1")
         plans = self.row_plans or [self.plan]
+        layer_rows = [[plan.layers[index] for plan in plans] for index in range(len(self.plan.layers))]
+        layer_policies = [LayerPolicies.of_rows(rows, self._policies) for rows in layer_rows]
+        weighing = {index for index, policies in enumerate(layer_policies)
+                    if any(g.policy.weighs_layers for g in policies.groups)}
+        ledger = LayerLedger(weighing) if weighing else None
         layers = []
-        ledger = LayerLedger() if any(p.weighs_layers for p in self._policies.values()) else None
-        for index in range(len(self.plan.layers)):
-            rows = [plan.layers[index] for plan in plans]
-            policies = LayerPolicies.of_rows(rows, self._policies)
+        for index, (rows, policies) in enumerate(zip(layer_rows, layer_policies, strict=True)):
             inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in policies.groups) else None
             layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger))
         config = self.model.config

@@ -6,7 +6,7 @@ Layer budgets: a KV head's sparsity is 1 - n_eff / n, n_eff = 1 / sum(p^2) for p
 attention over its n tokens as a distribution (0 when even, towards 1 when concentrated; a
 monotone function of p's variance that compares across layers). A layer's weight is exp(-its
 heads' mean sparsity); its budget the recipe's times its weight over the mean weight of the
-layers (the paper's softmax over layers, `view.layer_share`), fixed at the layer's first eviction.
+layers (the paper's softmax over layers, `view.layer_share`), set once every layer has given its weight.
 
 Merging: each evicted token finds the kept token of its KV head whose key is most similar
 (cosine u). Each head keeps a threshold, an EMA of the mean best similarity at each eviction
@@ -61,6 +61,8 @@ class D2O(H2O):
         super().__init__(params)
         if not self.params.keep_mass:  # no per-token mass to store
             self.state = {"acc": torch.float32}
+        if not self.params.layer_budgets:  # the recipe's budget everywhere: no weights to compute, nothing to split
+            self.weighs_layers = self.allocates = False
 
     def layer_weight(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         acc = torch.where(view.valid, state["acc"], 0.0).double()
