@@ -3,8 +3,8 @@
 Budgets come from the plan (`kvpolicy.recipe.budget.Budget`: tokens, a ratio of the prompt or a
 share of its bytes), turned into a ``[batch, kv_heads]`` limits tensor at one moment, the layer's
 first attention call, once the prompt's real length is known (`set_limits`). Two kinds of policy
-change them later: ``allocates`` policies (AdaKV) split a row's budget among their heads once, at
-the row's first eviction; ``dynamic_budget`` policies (FastGen) set their cells' budgets at every
+change them later: ``allocates`` policies (AdaKV, D2O) set a row's budgets once, at the row's
+first eviction or, when the policy answers not yet, a later one; ``dynamic_budget`` policies (FastGen) set their cells' budgets at every
 eviction. A store sizes its storage from them (the `storage.base.Sizing` protocol); a tiered
 layer's limits are its tiers' sizes (`storage.tier_sizing`), priced by its store (`price_tiers`).
 """
@@ -131,22 +131,21 @@ class CellBudgets:
         self._allocation_done = bool((self.allocated | ~owned.any(dim=0)).all())
         return not self._allocation_done
 
-    def allocate(self, state_of: StateOf, view: TokenView, count: torch.Tensor,
-                 deferred: list[PolicyGroup] | None = None) -> None:
-        """Let allocating policies set the limits of rows at their first eviction; fixed afterwards. ``deferred``
-        groups wait (a layer budget waiting for the layers above): their cells evict to the recipe's budget."""
+    def allocate(self, state_of: StateOf, view: TokenView, count: torch.Tensor) -> None:
+        """Let allocating policies set the limits of rows at their first eviction (or a later one, if a policy
+        answers not yet); fixed afterwards."""
         unlimited = ~self.limited_cells.to(count.device)
         over = (count - torch.where(unlimited, count, self.limits)) > self.slack
         limits = self.limits
         for group in self.allocating:
-            if deferred and any(group is waiting for waiting in deferred):
-                continue
             cells = group.cells.to(count.device).expand_as(over)
             rows = (over & cells).any(dim=1) & (cells & ~self.allocated).any(dim=1)
             if not bool(rows.any()):
                 continue
             chosen = cells & rows[:, None]
             given = call_policy(group.policy, "allocate", group.policy.allocate, state_of(group), view, chosen)
+            if given is None:  # not yet: the recipe's budgets for now
+                continue
             given = checked(group.policy, "allocated budgets", given, chosen.shape, "batch, kv_heads")
             limits = torch.where(chosen, given.to(limits).clamp(min=0), limits)
             self.allocated |= chosen

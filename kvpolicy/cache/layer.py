@@ -285,8 +285,7 @@ class PolicyLayer:
                     return
         count = self.valid[:, :, : self.used].sum(dim=2)
         if budgets.allocation_pending():
-            waiting = self.weighing if self.ledger is not None and not self.ledger.complete else None
-            budgets.allocate(self.group_state, self.token_view(), count, waiting)
+            budgets.allocate(self.group_state, self.token_view(), count)
         limit = budgets.effective(count)
         scores = None
         if budgets.thresholded:  # what a threshold keeps depends on the scores: they are read at every pass

@@ -168,13 +168,15 @@ class Policy:
         """Keep-priority per slot, ``[B, Hkv, T]``; higher is kept."""
         raise NotImplementedError
 
-    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
+    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor | None:
         """Per-(row, KV head) budgets ``[B, Hkv]`` (int64) for ``cells`` (``[B, Hkv]`` bool), only if ``allocates``.
 
         The cache calls it once per batch row, at the row's first eviction (the prefill when
         the prompt is over budget), with ``view.budget`` holding the recipe's budgets and
         ``cells`` this policy's (row, KV head) cells of the rows being allocated. Entries
-        outside ``cells`` are ignored. The budgets returned are fixed from then on; the cache
+        outside ``cells`` are ignored. None means not yet (D2O waiting for every layer's
+        weight): the cells evict to the recipe's budgets and are asked again at their next
+        eviction. The budgets returned are fixed from then on; the cache
         then keeps each cell's top ``score`` tokens as usual, and stores each cell in memory
         sized to its own budget (ragged storage) when the cells of a layer differ enough.
         """

@@ -71,9 +71,9 @@ class D2O(H2O):
         sparsity = 1.0 - effective / view.valid.sum(dim=2).clamp(min=1)
         return torch.exp(-sparsity.mean(dim=1)).float()
 
-    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
-        if not self.params.layer_budgets or view.layer_share is None:
-            return view.budget
+    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor | None:
+        if view.layer_share is None:  # not every layer has given its weight yet
+            return None
         return torch.round(view.budget.double() * view.layer_share.double()[:, None]).long().clamp(min=1)
 
     def merge(self, state: dict[str, torch.Tensor], view: TokenView, keys: torch.Tensor,
