@@ -78,7 +78,7 @@ class Registry:
             raise TypeError(f"{policy!r} is not a kvpolicy.Policy subclass")
         if not policy.name:
             raise TypeError(f"{policy.__name__} has no `name`")
-        unknown = (set(policy.needs) | set(policy.profile_needs)) - STAT_NAMES
+        unknown = (set(policy.needs) | set(policy.profile_needs) | set(policy.probe_needs)) - STAT_NAMES
         if unknown:
             raise TypeError(f"{policy.name} needs unknown statistics {sorted(unknown)}; known: {sorted(STAT_NAMES)}")
         for known in (self.policies, staged):

@@ -54,7 +54,7 @@ def greedy(model, ids, mask, steps: int, recorder: StepRecorder | None = None, *
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
-def run_against_reference(model, reference, plan, ids, mask, steps: int):
+def run_against_reference(model, reference, plan, ids, mask, steps: int, tokenizer=None):
     """Greedy generation under a brute-force reference, then under kvpolicy with ``plan``.
 
     Asserts the same kept positions per (layer, row, KV head) after every forward pass,
@@ -73,7 +73,7 @@ def run_against_reference(model, reference, plan, ids, mask, steps: int):
             hook.remove()
     model.set_attn_implementation("sdpa")
 
-    session = attach(model, plan)
+    session = attach(model, plan, tokenizer=tokenizer)
     layers = range(model.config.num_hidden_layers)
     ours = StepRecorder(lambda: {layer: session.last_cache.kept_positions(layer) for layer in layers})
     try:

@@ -14,6 +14,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvpolicy.hf.cache import cache_keyword
+
 
 class BruteForce:
     """Explicit attention over the kept tokens; ``rule`` decides what stays after each call."""
@@ -485,3 +487,145 @@ class BruteForceFastGen(BruteForce):
             if recovery >= self.target - 1e-9 and cost < best_cost:
                 best, best_cost = candidate, cost
         return "+".join(sorted(best))
+
+
+class BruteForceKVzip(BruteForce):
+    """Kim et al.: once the prompt is in, the model repeats it in probe passes of ``request`` + ``suffix`` + a chunk
+    of the prompt (from the second chunk on ``request_next`` + the last 8 tokens of the chunk before), each pass seeing
+    the prompt and its own tokens alone; a prompt token scores the most attention any real probe query of any query
+    head gave it. Nothing is evicted before that; then each head keeps its first ``sinks`` tokens, the tokens after
+    the prompt (newest first) and its best-scoring prompt tokens, ``budget`` in all. ``heads_share``: AdaKV's split
+    with no floor (kvzip-ada): at a row's first eviction each layer's heads x budget go to its pinned tokens and then
+    to its best (head, prompt token) scores, fixed from then on."""
+
+    name = "kvzip_bruteforce"
+
+    def __init__(self, budget, sinks, chunk, request, request_next, suffix, heads_share=False):
+        super().__init__(budget)
+        self.sinks, self.chunk, self.heads_share = sinks, chunk, heads_share
+        self.request, self.request_next, self.suffix = request, request_next, suffix
+        self.probing, self.probed = False, False
+        self.scores: dict[tuple[int, int, int], dict[int, float]] = {}
+        self.budgets: dict[tuple[int, int, int], int] = {}
+
+    def passes(self, prompt: list[int]) -> list[list[int]]:
+        chunks = [prompt[i : i + self.chunk] for i in range(0, len(prompt), self.chunk)]
+        return [(self.request if i == 0 else self.request_next + chunks[i - 1][-8:]) + self.suffix + chunk
+                for i, chunk in enumerate(chunks)]
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        if not self.probing:
+            return super().attention(module, query, key, value, attention_mask, scaling, **kwargs)
+        layer = module.layer_idx
+        batch, q_heads, queries, dim = query.shape
+        kv_heads, total = key.shape[1], key.shape[2]
+        group, scaling = q_heads // kv_heads, scaling or dim**-0.5
+        real = attention_mask.bool()[:, -total:]
+        first_new = total - queries
+        out = torch.zeros(batch, queries, q_heads, dim)
+        for b in range(batch):
+            for h in range(kv_heads):
+                prompt = [j for j in range(first_new) if real[b, j]]
+                best = self.scores.setdefault((layer, b, h), {})
+                for i in range(first_new, total):
+                    if not real[b, i]:
+                        continue
+                    cols = prompt + [j for j in range(first_new, i + 1) if real[b, j]]
+                    for g in range(group):
+                        qh = h * group + g
+                        logits = [float(query[b, qh, i - first_new] @ key[b, h, j]) * scaling for j in cols]
+                        top = max(logits)
+                        weights = [math.exp(x - top) for x in logits]
+                        probs = [w / sum(weights) for w in weights]
+                        out[b, i - first_new, qh] = sum(p * value[b, h, j] for p, j in zip(probs, cols, strict=True))
+                        for j, p in zip(cols, probs, strict=True):
+                            if j < first_new:
+                                best[j] = max(best.get(j, 0.0), p)
+        return out.to(query.dtype), None
+
+    def priority(self, layer, b, h):
+        score = self.scores.get((layer, b, h), {})
+        return lambda j: ((3, j) if self.position[b][j] < self.sinks else (2, j) if j not in score
+                          else (1, score[j]))
+
+    def rule(self, layer, b, calls):
+        if not self.probed:
+            return  # the prompt waits for the probe
+        for h in calls:
+            kept = self.kept[(layer, b, h)]
+            budget = self.budgets.get((layer, b, h), self.budget)
+            if len(kept) > budget:
+                kept.intersection_update(sorted(kept, key=self.priority(layer, b, h), reverse=True)[:budget])
+
+    def evict_after_probe(self, layers, batch, heads):
+        for layer in range(layers):
+            for b in range(batch):
+                if self.heads_share and sum(len(self.kept[(layer, b, h)]) for h in range(heads)) > heads * self.budget:
+                    pinned = {h: [j for j in self.kept[(layer, b, h)] if self.priority(layer, b, h)(j)[0] > 1]
+                              for h in range(heads)}
+                    pairs = sorted(((self.scores[(layer, b, h)][j], h, j) for h in range(heads)
+                                    for j in self.kept[(layer, b, h)] if self.priority(layer, b, h)(j)[0] == 1),
+                                   key=lambda t: -t[0])
+                    room = heads * self.budget - sum(min(len(p), self.budget) for p in pinned.values())
+                    chosen = pairs[:room]
+                    for h in range(heads):
+                        self.budgets[(layer, b, h)] = min(len(pinned[h]), self.budget) + sum(
+                            1 for _, hh, _ in chosen if hh == h)
+                self.rule(layer, b, range(heads))
+            self.current[layer] = [[sorted(self.position[b][j] for j in self.kept[(layer, b, h)])
+                                    for h in range(heads)] for b in range(batch)]
+
+    def hook(self, model):
+        """Run the probe right after the prompt's forward pass, as kvpolicy's session does, with this attention."""
+
+        def after(module, args, kwargs, output):
+            if self.probing or self.probed:
+                return
+            ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            width = ids.shape[1]
+            rows = [[t for t, m in zip(r, mr, strict=True) if m] for r, mr in zip(ids.tolist(), mask.tolist(), strict=True)]
+            passes = [self.passes(row) for row in rows]
+            self.probing = True
+            for index in range(max(len(p) for p in passes)):
+                chunks = [p[index] if index < len(p) else [] for p in passes]
+                wide = max(1, max(len(c) for c in chunks))
+                new = torch.tensor([[0] * (wide - len(c)) + [1] * len(c) for c in chunks])
+                probe = torch.tensor([[0] * (wide - len(c)) + c for c in chunks])
+                positions = torch.tensor([[len(row)] for row in rows]) + (new.cumsum(dim=1) - 1).clamp(min=0)
+                model(input_ids=probe, attention_mask=torch.cat([mask, new], dim=1), position_ids=positions,
+                      use_cache=True, **{cache_keyword(model): cache})
+                for layer in cache.layers:  # the pass's tokens leave
+                    layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+            self.probing, self.probed = False, True
+            config = model.config
+            heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+            self.evict_after_probe(config.num_hidden_layers, ids.shape[0], heads)
+
+        return model.register_forward_hook(after, with_kwargs=True)
+
+
+class BruteForceH2OKVzip(BruteForceKVzip):
+    """H2O's rule (the newest ``round(budget x recent_ratio)`` kept, then the highest score) where a prompt token's
+    score is KVzip's probe maximum plus the attention (mean over the query heads) of every query after the prompt,
+    and a later token's score that attention alone."""
+
+    name = "h2o_kvzip_bruteforce"
+
+    def __init__(self, budget, recent_ratio, chunk, request, request_next, suffix):
+        super().__init__(budget, 0, chunk, request, request_next, suffix)
+        self.recent = round(budget * recent_ratio)
+        self.later: dict[tuple[int, int, int], dict[int, float]] = {}
+
+    def rule(self, layer, b, calls):
+        if not self.probed:
+            return
+        for h in calls:
+            later = self.later.setdefault((layer, b, h), {})
+            for _, cols, heads in calls[h][1] if isinstance(calls, dict) else ():
+                for j in cols:
+                    later[j] = later.get(j, 0.0) + mean(head[j] for head in heads)
+            kept = self.kept[(layer, b, h)]
+            recent = set(sorted(kept, reverse=True)[: self.recent])
+            probe = self.scores.get((layer, b, h), {})
+            self.keep_best(layer, b, h, key=lambda j: (j in recent, probe.get(j, 0.0) + later.get(j, 0.0)))

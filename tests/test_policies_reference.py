@@ -14,6 +14,8 @@ from policy_references import (
     BruteForceAdaKV,
     BruteForceD2O,
     BruteForceFastGen,
+    BruteForceH2OKVzip,
+    BruteForceKVzip,
     BruteForceLazy,
     BruteForceRoCo,
     BruteForceScissorhands,
@@ -162,3 +164,66 @@ def test_d2o_with_budgets_per_head_matches_bruteforce_on_ragged_storage(arch):
     run_against_reference(model, reference, plan, ids, mask, STEPS)
     cache = reference.kvpolicy_cache
     assert reference.merges > 0 and all(layer.ragged for layer in cache.layers)
+
+
+KVZIP_REQUEST, KVZIP_NEXT = "Say it all again.", "Go on from"
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("policy", ["kvzip", "kvzip-ada"])
+def test_kvzip_matches_bruteforce(policy, arch):
+    """The probe passes (chunks of 16: two for the 30- and 20-token prompts, the second quoting the first's last 8
+    tokens; one for the 9-token one, which gets a pass of pads alongside), the max-attention scores, the eviction once the probe
+    is over, and the decode steps after it."""
+    from tiny_models import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    model = tiny_model(arch)
+    ids, mask = padded_batch(lengths=(30, 20, 9))
+    ada = policy == "kvzip-ada"
+    reference = BruteForceKVzip(6, sinks=2, chunk=16, request=encode(f"\n\n{KVZIP_REQUEST}"),
+                                request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"), heads_share=ada)
+    params = {"sinks": 2, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT, **({"alpha": 0.0} if ada else {})}
+    # 3 steps: the prompt and 2 decode steps, each new token displacing a prompt token, whose scores are compared below
+    steps = run_against_reference(model, reference, uniform_plan(model, policy, Budget(tokens=6), **params), ids, mask,
+                                  3, tokenizer=tokenizer)
+    layers = range(model.config.num_hidden_layers)
+    assert all(len(head) == 6 for head in steps[0][0][0]) or ada  # the prompt compressed once the probe was over
+    assert len(reference.scores[(0, 0, 0)]) == 30  # every prompt token of the long row was scored
+    # the scores themselves, of every prompt token still held: each its most attention in any probe pass
+    compared = 0
+    for index, layer in enumerate(reference.kvpolicy_cache.layers):
+        state = layer.group_state(layer.policies.groups[0])
+        pads = (mask.shape[1] - mask.sum(dim=1)).tolist()
+        for b, h, slot in layer.valid[:, :, : layer.used].nonzero().tolist():
+            position = int(layer.positions[b, h, slot])
+            expected = reference.scores[(index, b, h)].get(position + pads[b])
+            if expected is not None:
+                assert abs(float(state["probe"][b, h, slot]) - expected) < 1e-5, (index, b, h, position)
+                compared += 1
+    assert compared >= 50, compared
+    if arch == "llama":  # the heads of a layer keep different prompt tokens
+        assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
+    if ada:  # heads keep different counts, the layer's total the same
+        counts = [[len(head) for head in row] for layer in layers for row in steps[0][layer]]
+        assert any(len(set(row)) > 1 for row in counts) and all(sum(row) == 6 * len(row) for row in counts), counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_h2o_kvzip_matches_bruteforce(arch):
+    """H2O's recent window and heavy hitters, the heavy score of a prompt token KVzip's probe maximum plus the
+    attention of the decode steps' queries."""
+    from tiny_models import char_tokenizer
+
+    tokenizer = char_tokenizer()
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    model = tiny_model(arch)
+    ids, mask = padded_batch(lengths=(30, 20, 9))
+    reference = BruteForceH2OKVzip(8, recent_ratio=0.25, chunk=16, request=encode(f"\n\n{KVZIP_REQUEST}"),
+                                   request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"))
+    params = {"recent_ratio": 0.25, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT}
+    steps = run_against_reference(model, reference, uniform_plan(model, "h2o-kvzip", Budget(tokens=8), **params), ids,
+                                  mask, STEPS, tokenizer=tokenizer)
+    assert all(len(head) == 8 for head in steps[0][0][0])
+    assert any(row[0] != row[1] for step in steps for layer in range(3) for row in step[layer]) or arch == "opt"

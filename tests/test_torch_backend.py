@@ -4,6 +4,7 @@ The path normalizes nothing until after its matmuls (the output and the column s
 row's 1 / sum afterwards) and works in query chunks; the reference here builds the whole
 [B, Hq, q, T] probability matrix with `torch.softmax`. Cases: GQA, left pads, keys evicted from
 the middle of the cache, a query chunk boundary inside the call, a row that sees no key.
+(`colmax` is checked by the same reference: a pad query's row there is all 0.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from kvpolicy.backend import torch_ref
 
-EVERY_STAT = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads"})
+EVERY_STAT = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "colmax"})
 
 
 def dense_reference(query, keys, values, mask, query_valid, scaling, last_rows):
@@ -35,6 +36,7 @@ def dense_reference(query, keys, values, mask, query_valid, scaling, last_rows):
         "colsum_sq": per_head.square().sum(dim=3).mean(dim=2),
         "below_uniform": below.sum(dim=3).mean(dim=2),
         "colsum_heads": per_head.sum(dim=3),
+        "colmax": per_head.amax(dim=(2, 3)),  # KVzip's: the most any real query of any of the G heads gave
         "last_rows": per_head.mean(dim=2)[:, :, queries - last_rows :],
     }
 

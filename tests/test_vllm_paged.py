@@ -661,3 +661,8 @@ def test_which_recipes_run_with_prefix_caching():
         assert not plan(policy, params).prefix_cacheable, policy
     assert plan("streaming").snapshot_tokens(32) == 0  # no statistics: a hit may end at any block
     assert plan("h2o").snapshot_tokens(32) == 256 and plan("h2o").snapshot_tokens(48) == 288
+
+
+def test_a_probing_policy_is_refused_in_one_line():
+    with pytest.raises(KVPolicyError, match=r"policy 'kvzip' \(layer 0\) scores the prompt by a probe.* or h2o$"):
+        paged_plan(Settings(recipe={"kvpolicy": 1, "policy": "kvzip", "budget": {"ratio": 0.2}}), 30, 3, 32)

@@ -32,7 +32,7 @@ _LOG2_E = 1.4426950408889634
 # from float32's limits (2^-126, 2^128), no weight, output or 1 / sum overflows or loses precision to subnormals
 _SUM_FLOOR, _SUM_CEILING = 2.0 ** -60, 2.0 ** 60
 # statistics that read every normalized probability (the column sums do not: see `attend_tracking`)
-_ELEMENT_STATS = frozenset({"colsum_sq", "colsum_heads", "near_colsum_heads", "below_uniform"})
+_ELEMENT_STATS = frozenset({"colsum_sq", "colsum_heads", "near_colsum_heads", "below_uniform", "colmax"})
 
 
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
@@ -149,6 +149,7 @@ def attend_tracking(
     colsum = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum" in needs else None
     colsum_sq = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum_sq" in needs else None
     below = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "below_uniform" in needs else None
+    colmax = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colmax" in needs else None
     # per query head, for policies that do not reduce over the group by the mean (FastGen's profile)
     per_head = (batch, kv_heads, groups, total_slots)
     heads_sum = torch.zeros(per_head, dtype=stats_dtype, device=query.device) if "colsum_heads" in needs else None
@@ -205,6 +206,8 @@ def attend_tracking(
             colsum_sq[..., :slots] += probs.square().sum(dim=3).mean(dim=2)
         if heads_sum is not None:
             heads_sum[..., :slots] += probs.sum(dim=3)
+        if colmax is not None:  # pads' probabilities are 0 here: they raise no maximum
+            torch.maximum(colmax[..., :slots], probs.amax(dim=(2, 3)), out=colmax[..., :slots])
         if near_sum is not None:
             near_sum[..., :slots] += (probs * near_for(lo, hi, slots)[:, :, None]).sum(dim=3)
         if below is not None:
@@ -219,7 +222,7 @@ def attend_tracking(
     real = query_valid.sum(dim=1) if query_valid is not None else torch.full((batch,), queries, device=query.device)
     stats = AttentionStats(
         queries=real, colsum=colsum, colsum_sq=colsum_sq, below_uniform=below, last_rows=rows_out,
-        colsum_heads=heads_sum, near_colsum_heads=near_sum,
+        colsum_heads=heads_sum, near_colsum_heads=near_sum, colmax=colmax,
     )
     return output, stats
 

@@ -492,8 +492,8 @@ def _as_u8(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
-#: statistics only the torch reference computes (read once per layer, at the prompt, by FastGen's profile)
-TORCH_ONLY_STATS = frozenset({"colsum_heads", "near_colsum_heads"})
+#: statistics only the torch reference computes (read at the prompt alone: FastGen's profile, a probe's maxima)
+TORCH_ONLY_STATS = frozenset({"colsum_heads", "near_colsum_heads", "colmax"})
 
 
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:

@@ -60,6 +60,10 @@ class PolicyLayer:
             if "near_colsum_heads" in g.policy.needs | g.policy.profile_needs:
                 self.near_ratio[g.cells] = g.policy.near_ratio
         self.drops_early = any(p.drops_early for p in instances)
+        self.probing = [g for g in groups if g.policy.probe_needs]
+        self.probe_needs = frozenset().union(*(g.policy.probe_needs for g in self.probing))
+        #: set by a cache that runs a probe (`kvpolicy.hf.probe`): every layer then evicts only once it is over
+        self.probed_cache = False
         self.merging = [g for g in groups if g.policy.merges]
         self.weighing = [g for g in groups if g.policy.weighs_layers]
         self.ledger = ledger if self.weighing else None
@@ -95,6 +99,11 @@ class PolicyLayer:
         self.pending: tuple[int, int] | None = None  # (first slot, count) of the tokens this pass appended
         self.pass_has_pads = False
         self.profiled = not self.profiling
+        self.awaits_probe = self.probed_cache
+        self.evicting = True  # False once the owner stops it (`PolicyCache.stop_evicting`): every token then stays
+        # while a probe runs: what the layer held before its first pass (used slots, slots seen, tokens seen,
+        # packed tokens, pads in the last pass), restored after each pass
+        self.probe_mark: tuple | None = None
         # a layer's weight (`Policy.layer_weight`) is read over the tokens it saw before it first evicted, so that
         # weights given after one forward pass over the prompt compare across layers
         self.weighs_tokens_seen = True
@@ -202,6 +211,8 @@ class PolicyLayer:
             keys = rotate(keys, torch.where(cells, key_delta, 0), self.inv_freq)
             query_rotation = (torch.where(cells, query_delta, 0), self.inv_freq)
         needs = self.policies.needs if self.profiled else self.policies.needs | self.policies.profile_needs
+        if self.probe_mark is not None:
+            needs = self.probe_needs
         near_band = None
         if "near_colsum_heads" in needs:
             ratio = self.near_ratio.to(device)
@@ -218,6 +229,14 @@ class PolicyLayer:
 
     def end_call(self, stats: AttentionStats | None) -> None:
         """Let the policies observe this call, then evict what is over budget."""
+        if self.probe_mark is not None:  # a probe's pass: its policies read it, nothing else happens
+            view = self.token_view()
+            for group in self.probing:
+                call_policy(group.policy, "observe_probe", group.policy.observe_probe, self.group_state(group), stats,
+                            view)
+            self.pending = None
+            self.store.end_pass()
+            return
         if not self.profiled:
             view = self.token_view()
             for group in self.profiling:
@@ -228,6 +247,23 @@ class PolicyLayer:
             self._report_weight()
         self.pending = None
         self.store.end_pass()
+        self._evict()
+
+    # --- a probe (`kvpolicy.hf.probe`): passes whose tokens leave once their policies have read them -------------
+    def begin_probe(self) -> None:
+        if not self.awaits_probe or self.store is None:
+            raise KVPolicyError(f"layer {self.layer_idx}: a probe runs once, right after the prompt's forward pass")
+        self.probe_mark = (self.store.used, self.slots_seen, self.tokens_seen, self.store.packed_tokens,
+                           self.pass_has_pads)
+
+    def end_probe_pass(self) -> None:
+        """Forget the pass's tokens: the layer is as the prompt left it, the policies' reading of it aside."""
+        used, self.slots_seen, self.tokens_seen, packed, self.pass_has_pads = self.probe_mark
+        self.store.truncate(used, packed)
+
+    def end_probe(self) -> None:
+        """The probe is over: evict the prompt as its scores now say."""
+        self.probe_mark, self.awaits_probe = None, False
         self._evict()
 
     def observe(self, stats: AttentionStats | None) -> None:
@@ -268,7 +304,13 @@ class PolicyLayer:
         return self.policies.scores(self.group_state, self.token_view())
 
     def _evict(self) -> None:
+        if self.awaits_probe:  # the prompt's scores are not all in yet (its store is dense: nothing evicted so far)
+            return
         budgets, store = self.budgets, self.store
+        if not self.evicting:  # every token stays; a format still settles this pass's tokens (ragged segments)
+            count = self.valid[:, :, : self.used].sum(dim=2)
+            store.evict(None, count, count)
+            return
         if budgets.dynamic:
             budgets.set_by_policies(self.group_state, self.token_view())
         # python-side facts let a packed decode step skip tensor reductions (and their syncs)

@@ -69,6 +69,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="evaluation length: tokens scored by ppl; prompt length of memory and speed (default: 768)")
     add("--prompt-tokens", type=count(MIN_TOKENS), nargs="+", default=[400], metavar="TOKENS",
         help="prompt lengths of passkey, fidelity and the RULER tasks; each runs once per length (default: 400)")
+    add("--question", nargs="+", choices=QUESTION_TRACKS, default=["in-prompt"], metavar="TRACK",
+        help="where passkey's and the RULER tasks' question goes: in-prompt (inside the prompt that is compressed) "
+             "and/or after (kvpress's protocol: the context is read and compressed first, then the question is asked "
+             "and answered from the compressed cache, its tokens and the answer's kept whole); with both, each task "
+             "runs once per track (default: in-prompt)")
     add("--new-tokens", type=count(1, 100_000), default=32, metavar="TOKENS",
         help="tokens fidelity generates and scores after each prompt, e.g. 1000 for a long generation (default: 32)")
     add("--trials", type=count(1, 10_000), default=1,
@@ -87,7 +92,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 # --- inputs ------------------------------------------------------------------------------------------
 
 
-SUITE_NAMES = ("ruler-small", "ruler")  # kvpolicy.tasks.ruler.SUITES (which imports transformers) holds their tasks
+SUITE_NAMES = ("ruler-small", "ruler")
+QUESTION_TRACKS = ("in-prompt", "after")  # kvpolicy.tasks.lengths.QUESTION_TRACKS  # kvpolicy.tasks.ruler.SUITES (which imports transformers) holds their tasks
 
 
 def _suites() -> dict[str, list[str]]:
@@ -103,7 +109,7 @@ def _task_names(args: argparse.Namespace) -> list[str]:
     return [*(args.tasks or []), *_suites()[args.suite]]
 
 
-def _tasks(names: list[str], lengths: list[int]) -> list[Task]:
+def _tasks(names: list[str], lengths: list[int], questions: list[str] | None = None) -> list[Task]:
     from ..tasks import available_tasks
     from ..tasks.lengths import at_lengths
 
@@ -115,7 +121,7 @@ def _tasks(names: list[str], lengths: list[int]) -> list[Task]:
             raise KVPolicyError(
                 f"unknown task {name!r}{did_you_mean(name, tasks)}. Available: {', '.join(tasks)}{failed}"
             )
-    return at_lengths([tasks[name] for name in dict.fromkeys(names)], lengths)
+    return at_lengths([tasks[name] for name in dict.fromkeys(names)], lengths, tuple(questions or ["in-prompt"]))
 
 
 BUDGET_UNITS = ("tokens", "memory")
@@ -220,6 +226,7 @@ def _command(args: argparse.Namespace, out: Path) -> str:
              *(["--budget-unit", args.budget_unit] if args.budget_unit != "tokens" else []),
              "--tasks", *_task_names(args), "--tokens", str(args.tokens), "--prompt-tokens", *map(str, args.prompt_tokens),
              *(["--new-tokens", str(args.new_tokens)] if args.new_tokens != 32 else []),
+             *(["--question", *args.question] if args.question != ["in-prompt"] else []),
              "--trials", str(args.trials), "--ppl-mode", args.ppl_mode, "--threads", str(args.threads),
              "--seed", str(args.seed), "--out", str(out)]
     if args.text_file:
@@ -236,7 +243,7 @@ def run_compare(args: argparse.Namespace) -> None:
     """The ``compare`` command: check the input, load the model once, run the missing rows, report."""
     for package in ("rich", "matplotlib"):  # the table and the plots: a missing one fails now, not after the sweep
         require(package)
-    tasks = _tasks(_task_names(args), args.prompt_tokens)
+    tasks = _tasks(_task_names(args), args.prompt_tokens, args.question)
     budgets = _budgets(args.budgets, args.budget_unit)
     recipes = _recipes(args.recipes)
     text, text_source = read_text(args.text_file)
@@ -332,11 +339,12 @@ def _sweep(ctx: Context, tasks: list[Task], rows: list[Row], out: Path, meta: di
 
 
 def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
-    """Rows whose layers store their tokens alike (the same precision tiers, or none), which tasks may batch; a row
-    with a cache of its own (transformers' QuantizedCache) alone."""
+    """Rows whose layers store their tokens alike (the same precision tiers, or none) and that probe their prompt
+    alike (or not), which tasks may batch; a row with a cache of its own (transformers' QuantizedCache) alone."""
     from ..hf.session import model_shape
 
     layers, heads = model_shape(model)
+    registry = get_registry()
     groups: dict[tuple, list[int]] = {}
     for index, row in enumerate(rows):
         if hasattr(row.spec, "open_session"):
@@ -344,7 +352,9 @@ def _storage_groups(model: Any, rows: list[Row]) -> list[list[int]]:
             continue
         plan = row.spec.resolve(layers, heads) if hasattr(row.spec, "resolve") else row.spec
         tiers = tuple(h.budget.precision_tiers for layer in plan.layers for h in layer.heads)
-        groups.setdefault(tiers, []).append(index)
+        # rows whose policies probe the prompt (KVzip) apart: the others would run the probe's passes for nothing
+        probes = any(registry.get(h.policy).probe_needs for layer in plan.layers for h in layer.heads)
+        groups.setdefault((tiers, probes), []).append(index)
     return list(groups.values())
 
 

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..cache.layer import PolicyLayer, TokenFeed
 from ..cache.memory_report import MemoryReport
 from ..errors import KVPolicyError
+from .probe import Probe
 
 _active = threading.local()
 
@@ -117,6 +118,27 @@ class PolicyCache(Cache):
             layer.token_feed = self.token_feed
             layer.update_watchers = self.update_watchers
             layer.attention = attention
+        #: the probe a policy scores the prompt by (`kvpolicy.hf.probe`), run by the session's forward hooks
+        self.probe = Probe() if any(layer.probing for layer in layers) else None
+        if self.probe is not None:
+            tiered = [layer.layer_idx for layer in layers if layer.budgets.tiers]
+            if tiered:
+                raise KVPolicyError(
+                    f"policy {self.probe_policy_names()} scores the prompt by a probe, which precision tiers do not "
+                    f"support yet (layer {tiered[0]} has tiers): drop the budget's tiers/memory, or run the tiered "
+                    "recipe in a batch of its own")
+            for layer in layers:
+                layer.probed_cache = layer.awaits_probe = True
+
+    def stop_evicting(self) -> None:
+        """Keep every token from now on, whatever the budget: a context compressed once, then questions and answers
+        kept whole on top of it (kvpress's protocol, `kvpolicy compare --question after`)."""
+        for layer in self.layers:
+            layer.evicting = False
+
+    def probe_policy_names(self) -> str:
+        """The probing policies' names, for messages."""
+        return ", ".join(sorted({g.policy.name for layer in self.layers for g in layer.probing})) or "(none)"
 
     def memory_report(self) -> MemoryReport:
         return MemoryReport([layer.memory() for layer in self.layers])

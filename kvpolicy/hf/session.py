@@ -25,6 +25,7 @@ from ..recipe import Recipe, load_recipe
 from ..recipe.plan import Plan
 from ..recipe.schema import MAX_TOKENS
 from ..registry import Registry, get_registry
+from . import probe
 from .attention import ATTENTION_NAME, no_cache_warning_off, register
 from .cache import CacheLayer, PolicyCache, cache_keyword
 from .compiled import CompiledDecoder, generate_arguments
@@ -88,7 +89,7 @@ class Session:
             layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
-        if self.last_cache.token_feed is not None:
+        if self.last_cache.token_feed is not None or self.last_cache.probe is not None:
             _install_hooks(self.model)
         return self.last_cache
 
@@ -162,9 +163,10 @@ _HOOKS = "_kvpolicy_forward_hooks"
 
 
 def _install_hooks(model: PreTrainedModel) -> None:
-    """Hooks on ``model`` that hand each forward pass's ``input_ids`` to its PolicyCache (once per model).
+    """Hooks on ``model`` that hand each forward pass's ``input_ids`` to its PolicyCache and run a cache's probe
+    right after its prompt's pass (`probe`), once per model.
 
-    Only sessions whose policies read token ids (FastGen) install them; calls with
+    Only sessions whose policies read token ids (FastGen) or probe the prompt (KVzip) install them; calls with
     ``inputs_embeds`` alone leave the cache without ids, and such a policy then says so.
     """
     if _HOOKS in model.__dict__:
@@ -172,18 +174,23 @@ def _install_hooks(model: PreTrainedModel) -> None:
 
     def cache_of(kwargs: dict[str, Any]) -> PolicyCache | None:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        return cache if isinstance(cache, PolicyCache) and cache.token_feed is not None else None
+        wants = isinstance(cache, PolicyCache) and (cache.token_feed is not None or cache.probe is not None)
+        return cache if wants else None
 
     def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = cache_of(kwargs)
         if cache is not None:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            cache.token_feed.ids = ids if isinstance(ids, torch.Tensor) else None
+            if cache.token_feed is not None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                cache.token_feed.ids = ids if isinstance(ids, torch.Tensor) else None
+            probe.arm(cache, args, kwargs)
 
     def after(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = cache_of(kwargs)
         if cache is not None:
-            cache.token_feed.ids = None  # never reused by a later call that brings none
+            if cache.token_feed is not None:
+                cache.token_feed.ids = None  # never reused by a later call that brings none
+            probe.run(module, cache)
 
     model.__dict__[_HOOKS] = (
         model.register_forward_pre_hook(before, with_kwargs=True),

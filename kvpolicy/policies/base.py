@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 #: The statistics the shared attention backend can return (docs/architecture.md, "Attention statistics").
-STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "near_colsum_heads"})
+STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "near_colsum_heads",
+                        "colmax"})
 
 
 @dataclass
@@ -43,6 +44,8 @@ class AttentionStats:
     last_rows: torch.Tensor | None = None  # [B, Hkv, W, T]
     colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
     near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
+    #: the most attention any real query of the call, in any of the G query heads, gave each slot (KVzip's score)
+    colmax: torch.Tensor | None = None  # [B, Hkv, T]
 
 
 @dataclass
@@ -147,6 +150,11 @@ class Policy:
     #: True if ``layer_weight`` says how much of the model's budget this layer needs; ``view.layer_share`` then
     #: carries it, relative to the other layers, to ``allocate``.
     weighs_layers: ClassVar[bool] = False
+    #: Statistics read by ``observe_probe``. Not empty: the policy scores the prompt by a *probe*, extra tokens
+    #: (``probe_chunks``) that the session runs through the model right after the prompt's forward pass, before
+    #: anything is evicted (KVzip's context reconstruction). The probe's tokens then leave the cache as if never
+    #: seen; the prompt is evicted once the probe is over (`kvpolicy.hf.probe`).
+    probe_needs: frozenset[str] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -206,6 +214,17 @@ class Policy:
         """Only if ``weighs_layers``: [B] float > 0, how much this layer needs relative to others (higher: more). Asked
         after each attention call until the layer's budgets are allocated."""
         raise NotImplementedError
+
+    def probe_chunks(self, prompt_ids: list[int]) -> list[list[int]]:
+        """Only with ``probe_needs``: the probe's forward passes for one batch row whose prompt's real tokens are
+        ``prompt_ids``, each a list of token ids (words to ids with the tokenizer `prepare` got). The cache drops
+        each pass's tokens before the next one, so every pass sees the prompt alone, its tokens at the positions
+        right after the prompt's."""
+        raise NotImplementedError
+
+    def observe_probe(self, state: dict[str, torch.Tensor], stats: AttentionStats, view: TokenView) -> None:
+        """Only with ``probe_needs``: read one probe pass's statistics (``probe_needs`` in ``stats``) over every slot,
+        the prompt's and the pass's own (``view.positions`` >= the prompt's length), which leave right after."""
 
     def prepare(self, model: Any = None, tokenizer: Any = None) -> None:
         """Called by `attach` with the model and the tokenizer (None when not given): resolve what depends on them."""

@@ -117,6 +117,11 @@ class KVStore(ABC):
         """Attention is done with this pass's K/V (drop transient copies)."""
         return None
 
+    def truncate(self, used: int, packed_tokens: int | None) -> None:
+        """Forget every slot from ``used`` on, appended since the store held ``used`` slots and ``packed_tokens``
+        (a probe's passes, which nothing evicted in between)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take back appended tokens")
+
     # --- merging (formats whose rows a merge can rewrite in place: dense and ragged) ------------------------
     def flat_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as ``[rows, D]`` views of the storage itself (writes land in the cache)."""

@@ -74,6 +74,11 @@ class DenseStore(KVStore):
         else:
             self._compact(scores, keep)
 
+    def truncate(self, used: int, packed_tokens: int | None) -> None:
+        self.slots.valid[:, :, used : self.used] = False
+        self.slots.positions[:, :, used : self.used] = -1
+        self.used, self.packed_tokens = used, packed_tokens
+
     def fit(self, tokens: int) -> None:
         """Shrink to ``tokens`` + slack + room for the next token and the scratch slot, when far above it."""
         target = tokens + self.sizing.slack + 2

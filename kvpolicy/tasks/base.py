@@ -65,6 +65,9 @@ class Context:
     memo: dict[Any, Any] = field(default_factory=dict)  # results tasks share within one sweep (see `run_alone`)
     progress: Any = None  # a kvpolicy.tasks.progress.Progress, or None for silence
     text: str = ""  # the evaluation text itself (the haystack of the RULER-style tasks)
+    #: where a task's question goes: "in-prompt" (inside the prompt that is compressed) or "after" (the context is
+    #: prefilled and compressed first, then the question comes and is answered from the compressed cache)
+    question: str = "in-prompt"
 
     def track(self, iterable: Iterable, total: int | None = None, description: str = "", *, rows: int = 1,
               unit: str = "steps", tokens: int | Callable[[Any], int] = 0) -> Iterator:
@@ -224,9 +227,26 @@ def eos_ids(model: Any, tokenizer: Any) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def greedy_continuations(ctx: Context, rows: list[Row], input_ids: list[int], max_new_tokens: int) -> list[str]:
+def prefill(ctx: Context, ids: torch.Tensor, cache: Any, context_end: int) -> torch.Tensor:
+    """Read a prompt ``ids`` [B, n] into ``cache``; the last token's logits [B, V]. With ``ctx.question`` "after"
+    (kvpress's protocol), the context (``ids[:, :context_end]``) is read and compressed first, then the rest (the
+    question) is read and kept whole, as are the answer's tokens: nothing is evicted after the context."""
+    if ctx.question == "in-prompt":
+        return forward(ctx.model, ids, cache).logits[:, -1]
+    if ctx.question != "after":
+        raise KVPolicyError(f"unknown question track {ctx.question!r}: in-prompt or after")
+    if not 0 < context_end < ids.shape[1]:
+        raise KVPolicyError(f"the question of a prompt of {ids.shape[1]} tokens cannot start at token {context_end}")
+    forward(ctx.model, ids[:, :context_end], cache, logits_to_keep=1)
+    if hasattr(cache, "stop_evicting"):  # a cache from outside kvpolicy evicts nothing anyway
+        cache.stop_evicting()
+    return forward(ctx.model, ids[:, context_end:], cache).logits[:, -1]
+
+
+def greedy_continuations(ctx: Context, rows: list[Row], input_ids: list[int], max_new_tokens: int,
+                         context_end: int = 0) -> list[str]:
     """Each row's greedy continuation of the same prompt (one batch), decoded; a row stops at an end-of-sequence
-    token, and decoding stops when every row has."""
+    token, and decoding stops when every row has. ``context_end``: where the question starts (see `prefill`)."""
     model, batch = ctx.model, len(rows)
     stop = torch.tensor(sorted(eos_ids(model, ctx.tokenizer)) or [-1])
     session = batched_session(model, rows, tokenizer=ctx.tokenizer)
@@ -236,8 +256,9 @@ def greedy_continuations(ctx: Context, rows: list[Row], input_ids: list[int], ma
         ids = torch.tensor([input_ids]).expand(batch, -1)
         finished = torch.zeros(batch, dtype=torch.bool)
         with torch.inference_mode():
-            for _ in range(max_new_tokens):
-                ids = forward(model, ids, cache).logits[:, -1].argmax(dim=-1, keepdim=True)
+            for step in range(max_new_tokens):
+                logits = prefill(ctx, ids, cache, context_end) if step == 0 else forward(model, ids, cache).logits[:, -1]
+                ids = logits.argmax(dim=-1, keepdim=True)
                 generated.append(torch.where(finished[:, None], -1, ids))
                 finished |= torch.isin(ids[:, 0], stop)
                 if bool(finished.all()):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .base import Context, Row, batched_session, forward
+from .base import Context, Row, batched_session, forward, prefill
 
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -37,6 +37,7 @@ class PasskeyPrompt:
     depth: float
     char_index: int  # text[char_index : char_index + 5] == key (its first mention, inside the needle)
     token_index: int  # the first token whose characters include text[char_index]
+    context_end: int  # the first token of the question (its blank line): the context is input_ids[:context_end]
 
 
 def make_prompt(tokenizer: Any, target_tokens: int, depth: float, seed: Any) -> PasskeyPrompt:
@@ -50,8 +51,11 @@ def make_prompt(tokenizer: Any, target_tokens: int, depth: float, seed: Any) -> 
     text = _wrap(tokenizer, context)
     char_index = text.index(NEEDLE.format(key=key)) + NEEDLE.index("{key}")
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    token_index = next(i for i, (_, end) in enumerate(encoded["offset_mapping"]) if end > char_index)
-    return PasskeyPrompt(text, list(encoded["input_ids"]), key, depth, char_index, token_index)
+    ends = [end for _, end in encoded["offset_mapping"]]
+    token_index = next(i for i, end in enumerate(ends) if end > char_index)
+    question = text.rindex(f"\n\n{QUESTION}")
+    context_end = next(i for i, end in enumerate(ends) if end > question)
+    return PasskeyPrompt(text, list(encoded["input_ids"]), key, depth, char_index, token_index, context_end)
 
 
 def _wrap(tokenizer: Any, context: str) -> str:
@@ -68,6 +72,7 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
 
 class Passkey:
     uses_prompt_tokens = True
+    asks_question = True
     name = "passkey"
     description = "retrieve a 5-digit key hidden at several depths of filler text"
     columns = [("accuracy", "passkey", "{:.0%}")]
@@ -92,7 +97,7 @@ class Passkey:
         answers: list[list[str]] = [[] for _ in rows]
         for index, prompt in enumerate(ctx.track(prompts, len(prompts), "passkey", rows=len(rows),
                                                           unit="prompts", tokens=lambda p: len(p.input_ids) * len(rows))):
-            for row, answer in enumerate(greedy_answers(ctx, rows, prompt.input_ids, NEW_TOKENS)):
+            for row, answer in enumerate(greedy_answers(ctx, rows, prompt.input_ids, NEW_TOKENS, prompt.context_end)):
                 hits[row, index] = prompt.key in answer
                 answers[row].append(answer)
         depths = torch.tensor([p.depth for p in prompts])
@@ -108,8 +113,10 @@ class Passkey:
         ]
 
 
-def greedy_answers(ctx: Context, rows: list[Row], input_ids: list[int], new_tokens: int) -> list[str]:
-    """Each row's greedy continuation of the same prompt, decoded."""
+def greedy_answers(ctx: Context, rows: list[Row], input_ids: list[int], new_tokens: int,
+                   context_end: int = 0) -> list[str]:
+    """Each row's greedy continuation of the same prompt, decoded (``context_end``: where the question starts, read
+    after the context is compressed when ``ctx.question`` is "after")."""
     model, batch = ctx.model, len(rows)
     session = batched_session(model, rows, tokenizer=ctx.tokenizer)
     try:
@@ -117,8 +124,9 @@ def greedy_answers(ctx: Context, rows: list[Row], input_ids: list[int], new_toke
         ids = torch.tensor([input_ids]).expand(batch, -1)
         generated = []
         with torch.inference_mode():
-            for _ in range(new_tokens):
-                ids = forward(model, ids, cache).logits[:, -1].argmax(dim=-1, keepdim=True)
+            for step in range(new_tokens):
+                logits = prefill(ctx, ids, cache, context_end) if step == 0 else forward(model, ids, cache).logits[:, -1]
+                ids = logits.argmax(dim=-1, keepdim=True)
                 generated.append(ids)
     finally:
         session.detach()

@@ -220,6 +220,10 @@ def _check_policy(policy: Policy, where: str, layer: int) -> None:
         raise KVPolicyError(
             f"{where}: policy {name!r} (layer {layer}) merges evicted tokens into kept ones, which vLLM's paged cache "
             "does not do (its blocks are only kept or freed); run it on transformers, or use h2o")
+    if policy.probe_needs:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) scores the prompt by a probe, extra forward passes run after "
+            "it, which vLLM's scheduler does not run; run it on transformers, or use snapkv or h2o")
     if policy.allocates:
         raise KVPolicyError(
             f"{where}: policy {name!r} (layer {layer}) splits each layer's budget among its KV heads, but a vLLM KV "

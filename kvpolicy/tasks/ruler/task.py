@@ -26,6 +26,7 @@ class RulerTask:
     """One of RULER's synthetic tasks (``generator``) under its RULER name, e.g. ``niah_single_1``."""
 
     uses_prompt_tokens = True
+    asks_question = True
 
     def __init__(self, name: str, generator: Any, header: str):
         self.name, self.generator = name, generator
@@ -62,7 +63,8 @@ class RulerTask:
         described = f"{self.name} at {ctx.prompt_tokens} tokens"
         for sample in ctx.track(samples, len(samples), described, rows=len(rows), unit="samples",
                                 tokens=lambda s: len(s.input_ids) * len(rows)):
-            for row, answer in enumerate(greedy_continuations(ctx, rows, sample.input_ids, sample.max_new_tokens)):
+            for row, answer in enumerate(greedy_continuations(ctx, rows, sample.input_ids, sample.max_new_tokens,
+                                                                   sample.context_tokens[1])):
                 outputs[row].append(answer)
         return [self._metrics(samples, outputs[row]) for row in range(len(rows))]
 
