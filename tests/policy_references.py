@@ -548,6 +548,12 @@ class BruteForceKVzip(BruteForce):
         return lambda j: ((3, j) if self.position[b][j] < self.sinks else (2, j) if j not in score
                           else (1, score[j]))
 
+    def pinned(self, layer, b, h) -> set[int]:
+        return {j for j in self.kept[(layer, b, h)] if self.priority(layer, b, h)(j)[0] > 1}
+
+    def worth(self, layer, b, h, j) -> float:
+        return self.scores[(layer, b, h)][j]
+
     def rule(self, layer, b, calls):
         if not self.probed:
             return  # the prompt waits for the probe
@@ -561,11 +567,9 @@ class BruteForceKVzip(BruteForce):
         for layer in range(layers):
             for b in range(batch):
                 if self.heads_share and sum(len(self.kept[(layer, b, h)]) for h in range(heads)) > heads * self.budget:
-                    pinned = {h: [j for j in self.kept[(layer, b, h)] if self.priority(layer, b, h)(j)[0] > 1]
-                              for h in range(heads)}
-                    pairs = sorted(((self.scores[(layer, b, h)][j], h, j) for h in range(heads)
-                                    for j in self.kept[(layer, b, h)] if self.priority(layer, b, h)(j)[0] == 1),
-                                   key=lambda t: -t[0])
+                    pinned = {h: self.pinned(layer, b, h) for h in range(heads)}
+                    pairs = sorted(((self.worth(layer, b, h, j), h, j) for h in range(heads)
+                                    for j in self.kept[(layer, b, h)] if j not in pinned[h]), key=lambda t: -t[0])
                     room = heads * self.budget - sum(min(len(p), self.budget) for p in pinned.values())
                     chosen = pairs[:room]
                     for h in range(heads):
@@ -608,14 +612,21 @@ class BruteForceKVzip(BruteForce):
 class BruteForceH2OKVzip(BruteForceKVzip):
     """H2O's rule (the newest ``round(budget x recent_ratio)`` kept, then the highest score) where a prompt token's
     score is KVzip's probe maximum plus the attention (mean over the query heads) of every query after the prompt,
-    and a later token's score that attention alone."""
+    and a later token's score that attention alone; ``heads_share``: AdaKV's split as in `BruteForceKVzip` (the split
+    pins the recipe's recent window, each head then the share of its own budget)."""
 
     name = "h2o_kvzip_bruteforce"
 
-    def __init__(self, budget, recent_ratio, chunk, request, request_next, suffix):
-        super().__init__(budget, 0, chunk, request, request_next, suffix)
-        self.recent = round(budget * recent_ratio)
+    def __init__(self, budget, recent_ratio, chunk, request, request_next, suffix, heads_share=False):
+        super().__init__(budget, 0, chunk, request, request_next, suffix, heads_share)
+        self.ratio, self.recent = recent_ratio, round(budget * recent_ratio)
         self.later: dict[tuple[int, int, int], dict[int, float]] = {}
+
+    def pinned(self, layer, b, h) -> set[int]:
+        return set(sorted(self.kept[(layer, b, h)], reverse=True)[: self.recent])
+
+    def worth(self, layer, b, h, j) -> float:
+        return self.scores.get((layer, b, h), {}).get(j, 0.0) + self.later.get((layer, b, h), {}).get(j, 0.0)
 
     def rule(self, layer, b, calls):
         if not self.probed:
@@ -626,6 +637,8 @@ class BruteForceH2OKVzip(BruteForceKVzip):
                 for j in cols:
                     later[j] = later.get(j, 0.0) + mean(head[j] for head in heads)
             kept = self.kept[(layer, b, h)]
-            recent = set(sorted(kept, reverse=True)[: self.recent])
-            probe = self.scores.get((layer, b, h), {})
-            self.keep_best(layer, b, h, key=lambda j: (j in recent, probe.get(j, 0.0) + later.get(j, 0.0)))
+            budget = self.budgets.get((layer, b, h), self.budget)
+            recent = set(sorted(kept, reverse=True)[: round(budget * self.ratio)])  # the share of the head's own budget
+            if len(kept) > budget:
+                kept.intersection_update(sorted(kept, key=lambda j: (j in recent, self.worth(layer, b, h, j)),
+                                                reverse=True)[:budget])

@@ -211,19 +211,26 @@ def test_kvzip_matches_bruteforce(policy, arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_h2o_kvzip_matches_bruteforce(arch):
+@pytest.mark.parametrize("policy", ["h2o-kvzip", "h2o-kvzip-ada"])
+def test_h2o_kvzip_matches_bruteforce(policy, arch):
     """H2O's recent window and heavy hitters, the heavy score of a prompt token KVzip's probe maximum plus the
-    attention of the decode steps' queries."""
+    attention of the decode steps' queries; with -ada, each layer's budget split among its heads by those scores."""
     from tiny_models import char_tokenizer
 
     tokenizer = char_tokenizer()
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=(30, 20, 9))
+    ada = policy.endswith("-ada")
     reference = BruteForceH2OKVzip(8, recent_ratio=0.25, chunk=16, request=encode(f"\n\n{KVZIP_REQUEST}"),
-                                   request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"))
-    params = {"recent_ratio": 0.25, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT}
-    steps = run_against_reference(model, reference, uniform_plan(model, "h2o-kvzip", Budget(tokens=8), **params), ids,
+                                   request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"), heads_share=ada)
+    params = {"recent_ratio": 0.25, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT,
+              **({"alpha": 0.0} if ada else {})}
+    steps = run_against_reference(model, reference, uniform_plan(model, policy, Budget(tokens=8), **params), ids,
                                   mask, STEPS, tokenizer=tokenizer)
-    assert all(len(head) == 8 for head in steps[0][0][0])
+    counts = [[len(head) for head in row] for layer in range(3) for row in steps[0][layer]]
+    if ada:
+        assert any(len(set(row)) > 1 for row in counts) and all(sum(row) == 8 * len(row) for row in counts), counts
+    else:
+        assert all(count == 8 for row in counts for count in row)
     assert any(row[0] != row[1] for step in steps for layer in range(3) for row in step[layer]) or arch == "opt"

@@ -235,3 +235,52 @@ def test_snapkv_wide_keeps_the_passkey_at_20_percent(smollm2):
             hits[row] += prompt.key in answer
     assert hits[0] == len(DEPTHS), hits
     assert hits[1] < hits[0], hits
+
+
+def test_question_after_compression_full_answers_alike_and_kvzip_keeps_the_needles(smollm2):
+    """`compare --question after` on the real model: with the full cache a question asked after the context gets the
+    answer it gets inside the prompt (passkey at 2 depths, RULER's single needle); KVzip's head-wise recipe, scoring
+    the context before the question exists, finds the single needle where H2O does not (measured 10/10 and 1/10 at
+    1K tokens), holds 20% of the context per layer (heads apart) plus the question, and frees the rest."""
+    from kvpolicy.recipe.budget import Budget
+    from kvpolicy.tasks import TASKS
+    from kvpolicy.tasks.base import Context, Row, greedy_continuations
+    from kvpolicy.tasks.passkey import DEPTHS, NEW_TOKENS, greedy_answers, make_prompt
+
+    model, tokenizer = smollm2
+    base = Context(model, tokenizer, torch.zeros(0, dtype=torch.long), text=topics["assert"] + topics["if"],
+                   prompt_tokens=1000)
+    after = Context(**{**base.__dict__, "question": "after"})
+    full = [Row("full", None, kvpolicy.load_recipe("full"))]
+    for index, depth in list(enumerate(DEPTHS))[1::2]:
+        prompt = make_prompt(tokenizer, 1000, depth, f"0-0-{index}")
+        assert greedy_answers(base, full, prompt.input_ids, NEW_TOKENS, prompt.context_end) == \
+            greedy_answers(after, full, prompt.input_ids, NEW_TOKENS, prompt.context_end)
+    task = TASKS["niah_single_1"]
+    samples = task.samples(base)
+    hits = {"kvzip-ada": 0, "h2o": 0}
+    for sample in samples:
+        end = sample.context_tokens[1]
+        if sample.index < 2:
+            alike = [greedy_continuations(ctx, full, sample.input_ids, 12, end) for ctx in (base, after)]
+            assert alike[0] == alike[1]
+        for name in hits:
+            row = [Row(name, "0.2", kvpolicy.with_budget(kvpolicy.load_recipe(name), Budget(ratio=0.2)))]
+            answer = greedy_continuations(after, row, sample.input_ids, 12, end)[0]
+            hits[name] += all(a in answer for a in sample.answers)
+    assert hits["kvzip-ada"] >= 4 and hits["h2o"] <= 2, hits
+    # what kvzip-ada holds after the question: per layer 20% of the context over its heads, heads apart, + the question
+    sample = samples[0]
+    end, total = sample.context_tokens[1], len(sample.input_ids)
+    session = kvpolicy.attach(model, "kvzip-ada", tokenizer=tokenizer)
+    cache = session.new_cache()
+    with torch.inference_mode():
+        from kvpolicy.tasks.base import prefill
+
+        prefill(after, torch.tensor([sample.input_ids]), cache, end)
+    session.detach()
+    question, budget = total - end, math.ceil(0.2 * end)
+    counts = torch.stack([layer.valid.sum(dim=2)[0] for layer in cache.layers])  # [layers, heads]
+    assert torch.equal(counts.sum(dim=1), torch.full((30,), 3 * (budget + question)))
+    assert any(len(set(row.tolist())) > 1 for row in counts)
+    assert cache.memory_report().live_kv_bytes == int(counts.sum()) * 2 * 64 * 4

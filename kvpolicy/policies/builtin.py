@@ -8,7 +8,7 @@ from .d2o import D2O
 from .fastgen import FastGen
 from .full import Full
 from .h2o import H2O
-from .h2o_kvzip import H2OKVzip
+from .h2o_kvzip import H2OKVzip, H2OKVzipAda
 from .kvzip import KVzip, KVzipAda
 from .lazy import Lazy
 from .roco import RoCo
@@ -21,4 +21,4 @@ from .window import Window
 
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
-    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy, D2O, KVzip, KVzipAda, H2OKVzip]
+    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy, D2O, KVzip, KVzipAda, H2OKVzip, H2OKVzipAda]

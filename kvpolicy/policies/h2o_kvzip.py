@@ -5,7 +5,8 @@ H2O's own heavy-hitter score for a prompt token is the attention the prompt's la
 the prompt's end needed, not what a later question will; a needle in the middle of a document scores low. Here the
 prompt's attention is replaced, once the probe is over, by KVzip's score (the most attention any repeating query
 gave the token); the queries after the prompt (a question, generated tokens) add their attention to it, and the
-`recent_ratio` share of the budget goes to the newest tokens, as in H2O.
+`recent_ratio` share of the budget goes to the newest tokens, as in H2O. ``h2o-kvzip-ada`` splits each layer's
+budget among its KV heads by these scores (AdaKV's split, `kvzip.headwise_budgets`), as ``kvzip-ada`` does.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from .base import AttentionStats, TokenView
 from .h2o import H2O, H2OParams
-from .kvzip import KVzip, KVzipParams
+from .kvzip import KVzip, KVzipParams, headwise_budgets
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,24 @@ class H2OKVzip(H2O):
 
     def score(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         return super().score({**state, "acc": state["acc"] + state["probe"]}, view)
+
+
+@dataclass(frozen=True)
+class H2OKVzipAdaParams(H2OKVzipParams):
+    alpha: float = 0.0  # share of each head's budget it keeps whatever the other heads score
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError("alpha must be in [0, 1]")
+
+
+class H2OKVzipAda(H2OKVzip):
+    name = "h2o-kvzip-ada"
+    description = "h2o-kvzip with each layer's budget split among its KV heads by the same scores (AdaKV's split)"
+    Params = H2OKVzipAdaParams
+    allocates = True
+
+    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
+        score = self.score(state, view)
+        return headwise_budgets(score, score == torch.inf, view, cells, self.params.alpha)

@@ -101,19 +101,26 @@ class KVzipAda(KVzip):
     allocates = True
 
     def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
-        valid, budget = view.valid, view.budget
-        batch, heads, slots = valid.shape
-        score = self.score(state, view).masked_fill(~valid, -torch.inf)
-        # each head's floor (its pinned tokens at least), then the layer's best remaining (head, token) pairs
-        place = score.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
-        pinned = (valid & (score >= 2.0)).sum(dim=2)
-        floor = torch.floor(budget.double() * self.params.alpha).long()
-        forced = torch.minimum(torch.maximum(floor, pinned), budget).clamp(max=valid.sum(dim=2))
-        forced = torch.where(cells, forced, 0)
-        free = valid & cells[..., None] & (place >= forced[..., None])
-        rest = torch.where(cells, budget, 0).sum(dim=1) - forced.sum(dim=1)  # [B]
-        key = score.masked_fill(~free, -torch.inf).reshape(batch, -1)
-        best = key.argsort(dim=1, descending=True, stable=True)
-        take = (torch.arange(heads * slots, device=key.device) < rest[:, None]) & (key.gather(1, best) > -torch.inf)
-        chosen = torch.zeros_like(take).scatter_(1, best, take).view(batch, heads, slots)
-        return torch.where(cells, forced + chosen.sum(dim=2), budget)
+        score = self.score(state, view)
+        return headwise_budgets(score, view.valid & (score >= 2.0), view, cells, self.params.alpha)
+
+
+def headwise_budgets(score: torch.Tensor, pinned: torch.Tensor, view: TokenView, cells: torch.Tensor,
+                     alpha: float) -> torch.Tensor:
+    """AdaKV's split of each row's budget over a layer's ``cells`` [B, Hkv] by ``score`` [B, Hkv, T]: each head keeps
+    its ``pinned`` tokens and its best ``floor(alpha x budget)`` (up to its budget), and the rest of the layer's total
+    goes to the layer's best remaining (head, token) pairs. Returns the budgets [B, Hkv]."""
+    valid, budget = view.valid, view.budget
+    batch, heads, slots = valid.shape
+    score = score.masked_fill(~valid, -torch.inf)
+    place = score.argsort(dim=2, descending=True, stable=True).argsort(dim=2)
+    floor = torch.floor(budget.double() * alpha).long()
+    forced = torch.minimum(torch.maximum(floor, (pinned & valid).sum(dim=2)), budget).clamp(max=valid.sum(dim=2))
+    forced = torch.where(cells, forced, 0)
+    free = valid & cells[..., None] & (place >= forced[..., None])
+    rest = torch.where(cells, budget, 0).sum(dim=1) - forced.sum(dim=1)  # [B]
+    key = score.masked_fill(~free, -torch.inf).reshape(batch, -1)
+    best = key.argsort(dim=1, descending=True, stable=True)
+    take = (torch.arange(heads * slots, device=key.device) < rest[:, None]) & (key.gather(1, best) > -torch.inf)
+    chosen = torch.zeros_like(take).scatter_(1, best, take).view(batch, heads, slots)
+    return torch.where(cells, forced + chosen.sum(dim=2), budget)
