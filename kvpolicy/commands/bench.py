@@ -225,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> list[dict]:
                 console.print("the stream never reached its budget: feed more tokens (--stream-tokens)")
             plots = [plot_stream(results, out / "stream-memory.png")]
         else:
-            configs = attach_configs(model, args.recipes or DEFAULT_RECIPES, args.budget)
+            configs = attach_configs(model, args.recipes or DEFAULT_RECIPES, args.budget, tokenizer)
             results = run_throughput(model, configs, text_ids, args, console.print)
             title = (f"throughput under a {args.kv_memory} KV cap: prompts {args.prompt_tokens} tokens "
                      f"(spread {args.spread:g}), {args.new_tokens} new tokens, {torch.get_num_threads()} threads")

@@ -74,7 +74,7 @@ class Config:
         return self.session.new_cache()
 
 
-def attach_configs(model: Any, names: list[str], budget: str | None) -> list[Config]:
+def attach_configs(model: Any, names: list[str], budget: str | None, tokenizer: Any = None) -> list[Config]:
     from ..hf.session import attach
 
     configs = [Config(PLAIN)]
@@ -83,7 +83,7 @@ def attach_configs(model: Any, names: list[str], budget: str | None) -> list[Con
         recipe = load_recipe(name)
         if budget:
             recipe = with_budget(recipe, parse_budget(budget))
-        session = attach(model, recipe)
+        session = attach(model, recipe, tokenizer=tokenizer)
         model.set_attn_implementation(previous)
         label = recipe.name if all(c.label != recipe.name for c in configs) else name
         configs.append(Config(label, session, recipe.budget.describe()))

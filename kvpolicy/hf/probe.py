@@ -16,20 +16,11 @@ add nothing to any statistic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import KVPolicyError
-
-if TYPE_CHECKING:
-    from .cache import PolicyCache
-
-
-def cache_keyword(model: Any) -> str:
-    from .cache import cache_keyword as keyword  # cache.py imports this module
-
-    return keyword(model)
 
 
 @dataclass
@@ -40,7 +31,7 @@ class Probe:
     prompt_ids: list[list[int]] = field(default_factory=list)  # each row's real prompt tokens
 
 
-def arm(cache: PolicyCache, args: tuple, kwargs: dict[str, Any]) -> None:
+def arm(cache: Any, args: tuple, kwargs: dict[str, Any]) -> None:
     """Before a forward pass on ``cache``: if it is the prompt's, record each row's real tokens."""
     probe = cache.probe
     if probe is None or probe.state != "waiting":
@@ -58,8 +49,9 @@ def arm(cache: PolicyCache, args: tuple, kwargs: dict[str, Any]) -> None:
     probe.prompt_ids, probe.state = rows, "armed"
 
 
-def run(model: Any, cache: PolicyCache) -> None:
-    """After the prompt's forward pass on ``cache``: run every row's probe passes, then let every layer evict."""
+def run(model: Any, cache: Any, keyword: str) -> None:
+    """After the prompt's forward pass on ``cache`` (a PolicyCache, passed to the model as ``keyword``): run every row's
+    probe passes, then let every layer evict."""
     probe = cache.probe
     if probe is None or probe.state != "armed":
         return
@@ -69,7 +61,6 @@ def run(model: Any, cache: PolicyCache) -> None:
     for layer in layers:
         layer.begin_probe()
     device = next(model.parameters()).device
-    keyword = cache_keyword(model)
     with torch.no_grad():
         for index in range(max((len(p) for p in passes), default=0)):
             chunks = [p[index] if index < len(p) else [] for p in passes]
@@ -92,7 +83,7 @@ def run(model: Any, cache: PolicyCache) -> None:
     probe.state = "done"
 
 
-def _row_passes(cache: PolicyCache, row: int, prompt_ids: list[int]) -> list[list[int]]:
+def _row_passes(cache: Any, row: int, prompt_ids: list[int]) -> list[list[int]]:
     """The probe passes of batch row ``row``: its probing policy's, none if it has none."""
     policies = {id(g.policy): g.policy for layer in cache.layers for g in layer.probing
                 if bool(g.cells.expand(len(cache.probe.prompt_ids), -1)[row].any())}

@@ -190,7 +190,7 @@ def _install_hooks(model: PreTrainedModel) -> None:
         if cache is not None:
             if cache.token_feed is not None:
                 cache.token_feed.ids = None  # never reused by a later call that brings none
-            probe.run(module, cache)
+            probe.run(module, cache, cache_keyword(module))
 
     model.__dict__[_HOOKS] = (
         model.register_forward_pre_hook(before, with_kwargs=True),
