@@ -57,12 +57,7 @@ class BruteForce:
                     cols = sorted(j for j in kept if j <= i)
                     heads = []
                     for g in range(group):
-                        qh = h * group + g
-                        logits = [float(query[b, qh, i - first_new] @ key[b, h, j]) * scaling for j in cols]
-                        top = max(logits)
-                        weights = [math.exp(x - top) for x in logits]
-                        probs = [w / sum(weights) for w in weights]
-                        out[b, i - first_new, qh] = sum(p * value[b, h, j] for p, j in zip(probs, cols, strict=True))
+                        probs = attend_one(query, key, value, out, b, h * group + g, i - first_new, cols, scaling)
                         heads.append(dict(zip(cols, probs, strict=True)))
                     rows.append((i, cols, heads))
                 calls[h] = (new, rows)
@@ -85,6 +80,18 @@ class BruteForce:
     def age(self, j: int, b: int) -> int:
         """1 for the newest real token of row b."""
         return self.seen - self.position[b][j]
+
+
+def attend_one(query, key, value, out, b, qh, q, cols, scaling) -> list[float]:
+    """Query ``q`` of query head ``qh`` (row ``b``) over the keys ``cols`` of its KV head, one at a time: its output
+    written to ``out[b, q, qh]``, its probabilities returned in the order of ``cols``."""
+    h = qh // (query.shape[1] // key.shape[1])
+    logits = [float(query[b, qh, q] @ key[b, h, j]) * scaling for j in cols]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    probs = [w / sum(weights) for w in weights]
+    out[b, q, qh] = sum(p * value[b, h, j] for p, j in zip(probs, cols, strict=True))
+    return probs
 
 
 def mean(values) -> float:
@@ -532,12 +539,7 @@ class BruteForceKVzip(BruteForce):
                         continue
                     cols = prompt + [j for j in range(first_new, i + 1) if real[b, j]]
                     for g in range(group):
-                        qh = h * group + g
-                        logits = [float(query[b, qh, i - first_new] @ key[b, h, j]) * scaling for j in cols]
-                        top = max(logits)
-                        weights = [math.exp(x - top) for x in logits]
-                        probs = [w / sum(weights) for w in weights]
-                        out[b, i - first_new, qh] = sum(p * value[b, h, j] for p, j in zip(probs, cols, strict=True))
+                        probs = attend_one(query, key, value, out, b, h * group + g, i - first_new, cols, scaling)
                         for j, p in zip(cols, probs, strict=True):
                             if j < first_new:
                                 best[j] = max(best.get(j, 0.0), p)

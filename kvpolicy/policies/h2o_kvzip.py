@@ -18,7 +18,7 @@ import torch
 
 from .base import AttentionStats, TokenView
 from .h2o import H2O, H2OParams
-from .kvzip import KVzip, KVzipParams, headwise_budgets
+from .kvzip import HeadSplit, HeadSplitParams, KVzip, KVzipParams
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,11 @@ class H2OKVzip(H2O):
 
 
 @dataclass(frozen=True)
-class H2OKVzipAdaParams(H2OKVzipParams):
-    alpha: float = 0.0  # share of each head's budget it keeps whatever the other heads score
-
-    def validate(self) -> None:
-        super().validate()
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError("alpha must be in [0, 1]")
+class H2OKVzipAdaParams(HeadSplitParams, H2OKVzipParams):
+    pass
 
 
-class H2OKVzipAda(H2OKVzip):
+class H2OKVzipAda(HeadSplit, H2OKVzip):
     name = "h2o-kvzip-ada"
     description = "h2o-kvzip with each layer's budget split among its KV heads by the same scores (AdaKV's split)"
-    Params = H2OKVzipAdaParams
-    allocates = True
-
-    def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
-        score = self.score(state, view)
-        return headwise_budgets(score, score == torch.inf, view, cells, self.params.alpha)
+    Params = H2OKVzipAdaParams  # the recent window (+inf) is each head's own

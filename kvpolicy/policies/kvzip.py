@@ -85,24 +85,37 @@ class KVzip(Policy):
 
 
 @dataclass(frozen=True)
-class KVzipAdaParams(KVzipParams):
+class HeadSplitParams:
     alpha: float = 0.0  # share of each head's budget it keeps whatever the other heads score (KVzip: none)
 
     def validate(self) -> None:
-        super().validate()
+        super().validate()  # the policy's own params, after this in the MRO
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError("alpha must be in [0, 1]")
 
 
-class KVzipAda(KVzip):
-    name = "kvzip-ada"
-    description = "KVzip's scores, each layer's budget split among its KV heads by them (AdaKV's split)"
-    Params = KVzipAdaParams
+class HeadSplit:
+    """A policy whose ``score`` ranks a layer's tokens across its heads, split as AdaKV does (`headwise_budgets`):
+    tokens scoring at least ``pinned_from`` are each head's own."""
+
     allocates = True
+    pinned_from = torch.inf
 
     def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor:
         score = self.score(state, view)
-        return headwise_budgets(score, view.valid & (score >= 2.0), view, cells, self.params.alpha)
+        return headwise_budgets(score, score >= self.pinned_from, view, cells, self.params.alpha)
+
+
+@dataclass(frozen=True)
+class KVzipAdaParams(HeadSplitParams, KVzipParams):
+    pass
+
+
+class KVzipAda(HeadSplit, KVzip):
+    name = "kvzip-ada"
+    description = "KVzip's scores, each layer's budget split among its KV heads by them (AdaKV's split)"
+    Params = KVzipAdaParams
+    pinned_from = 2.0  # sinks and the tokens after the prompt
 
 
 def headwise_budgets(score: torch.Tensor, pinned: torch.Tensor, view: TokenView, cells: torch.Tensor,
