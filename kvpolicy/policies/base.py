@@ -35,6 +35,9 @@ class AttentionStats:
     tokens the row has seen, so a query's own key is always near: with ``colsum_heads`` it
     gives, without any T x T matrix, the attention that stays within a local window of
     each query and the part that falls outside it.
+
+    ``colmax`` is the most attention any real query of the call, in any of the G query heads
+    of a KV head, gave each slot (KVzip's score, read by a probe).
     """
 
     queries: torch.Tensor  # [B] int64
@@ -44,7 +47,6 @@ class AttentionStats:
     last_rows: torch.Tensor | None = None  # [B, Hkv, W, T]
     colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
     near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
-    #: the most attention any real query of the call, in any of the G query heads, gave each slot (KVzip's score)
     colmax: torch.Tensor | None = None  # [B, Hkv, T]
 
 
