@@ -92,8 +92,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 # --- inputs ------------------------------------------------------------------------------------------
 
 
-SUITE_NAMES = ("ruler-small", "ruler")
-QUESTION_TRACKS = ("in-prompt", "after")  # kvpolicy.tasks.lengths.QUESTION_TRACKS  # kvpolicy.tasks.ruler.SUITES (which imports transformers) holds their tasks
+SUITE_NAMES = ("ruler-small", "ruler")  # kvpolicy.tasks.ruler.SUITES (which imports transformers) holds their tasks
+QUESTION_TRACKS = ("in-prompt", "after")  # kvpolicy.tasks.lengths.QUESTION_TRACKS, named here for the same reason
 
 
 def _suites() -> dict[str, list[str]]:

@@ -31,17 +31,16 @@ class Probe:
     prompt_ids: list[list[int]] = field(default_factory=list)  # each row's real prompt tokens
 
 
-def arm(cache: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-    """Before a forward pass on ``cache``: if it is the prompt's, record each row's real tokens."""
+def arm(cache: Any, ids: torch.Tensor | None, mask: torch.Tensor | None) -> None:
+    """Before a forward pass on ``cache`` with ``input_ids`` ``ids`` and ``attention_mask`` ``mask``: if it is the
+    prompt's, record each row's real tokens."""
     probe = cache.probe
     if probe is None or probe.state != "waiting":
         return
-    ids = kwargs.get("input_ids", args[0] if args else None)
     if not isinstance(ids, torch.Tensor):
         raise KVPolicyError(f"policy {cache.probe_policy_names()} scores the prompt by running it again, but the "
                             "prompt's forward pass gave no input_ids (inputs_embeds alone): call the model with "
                             "input_ids")
-    mask = kwargs.get("attention_mask")
     rows = ids.cpu().tolist()
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         real = mask[:, -ids.shape[1]:].bool().cpu().tolist()
@@ -61,6 +60,8 @@ def run(model: Any, cache: Any, keyword: str) -> None:
     for layer in layers:
         layer.begin_probe()
     device = next(model.parameters()).device
+    prompt = torch.tensor([len(row) for row in probe.prompt_ids])
+    past = torch.ones(len(passes), cache.layers[0].slots_seen, dtype=torch.long)  # restored after every pass
     with torch.no_grad():
         for index in range(max((len(p) for p in passes), default=0)):
             chunks = [p[index] if index < len(p) else [] for p in passes]
@@ -71,9 +72,7 @@ def run(model: Any, cache: Any, keyword: str) -> None:
                 if chunk:
                     ids[row, width - len(chunk):] = torch.tensor(chunk)
                     new[row, width - len(chunk):] = 1
-            prompt = torch.tensor([len(row) for row in probe.prompt_ids])
             positions = prompt[:, None] + (new.cumsum(dim=1) - 1).clamp(min=0)
-            past = torch.ones(len(chunks), cache.layers[0].slots_seen, dtype=torch.long)
             model(input_ids=ids.to(device), attention_mask=torch.cat([past, new], dim=1).to(device),
                   position_ids=positions.to(device), use_cache=True, logits_to_keep=1, **{keyword: cache})
             for layer in layers:

@@ -180,10 +180,11 @@ def _install_hooks(model: PreTrainedModel) -> None:
     def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         cache = cache_of(kwargs)
         if cache is not None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            ids = ids if isinstance(ids, torch.Tensor) else None
             if cache.token_feed is not None:
-                ids = kwargs.get("input_ids", args[0] if args else None)
-                cache.token_feed.ids = ids if isinstance(ids, torch.Tensor) else None
-            probe.arm(cache, args, kwargs)
+                cache.token_feed.ids = ids
+            probe.arm(cache, ids, kwargs.get("attention_mask"))
 
     def after(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
         cache = cache_of(kwargs)
