@@ -87,6 +87,31 @@ def test_slack_amortizes_compaction():
     assert recorder.steps == [5, 6, 7, 8, 5, 6, 7, 8, 5]
 
 
+def test_aligned_evictions_come_when_a_row_starts_a_new_block():
+    """``align``: past its first eviction (budget + slack exceeded), a row over budget evicts when its next token
+    lies in a later block of `align` positions than its last eviction did, so the tokens kept past the budget never
+    span two blocks; ``slack`` still bounds them. A 17-token prompt, budget 5, slack 7, blocks of 4."""
+    model = tiny_model("llama")
+    ids, mask = padded_batch(lengths=(17,))
+    counts = {}
+    for align in (0, 4):
+        session = attach(model, uniform_plan(model, "h2o", Budget(tokens=5, slack=7, align=align)))
+        recorder = StepRecorder(lambda session=session: (int(session.last_cache.layers[0].tokens_seen[0]),
+                                                         session.last_cache.layers[0].memory()["tokens_max"]))
+        greedy(model, ids, mask, 12, recorder=recorder, cache=session.new_cache())
+        session.detach()
+        counts[align] = recorder.steps
+    # by the rule, written out: evicted at the prompt (17 tokens seen), then at 20, 24, 28 (new blocks of 4)
+    seen, evicted_at, expected = 17, 17, [(17, 5)]
+    for _ in range(11):
+        seen += 1
+        if seen // 4 > evicted_at // 4:
+            evicted_at = seen
+        expected.append((seen, 5 + seen - evicted_at))
+    assert counts[4] == expected
+    assert [held for _, held in counts[0]] == [5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7, 8]  # every slack + 1 steps
+
+
 def test_rows_with_different_recipes_match_each_recipe_alone():
     from kvpolicy.hf.session import attach_rows
 

@@ -117,7 +117,7 @@ def test_later_rules_win(tmp_path):
             tmp_path,
             """
         kvpolicy: 1
-        budget: {ratio: 0.2, slack: 16}
+        budget: {ratio: 0.2, slack: 16, align: 32}
         policy: h2o
         layers:
           - {layers: "0-3", policy: full}
@@ -137,9 +137,9 @@ def test_later_rules_win(tmp_path):
         ["window"] * 2,
         ["window"] * 2,
     ]
-    assert plan.layers[4].heads[0].budget == Budget(tokens=256, slack=16)  # slack inherited
+    assert plan.layers[4].heads[0].budget == Budget(tokens=256, slack=16, align=32)  # slack and align inherited
     assert plan.layers[3].heads[0].params.sinks == 4  # defaults of the new policy
-    assert plan.layers[3].heads[0].budget == Budget(tokens=256, slack=16)
+    assert plan.layers[3].heads[0].budget == Budget(tokens=256, slack=16, align=32)
     assert plan.layers[0].heads[0].budget == UNBOUNDED
 
 
@@ -343,6 +343,7 @@ def test_param_for_policy_without_params(tmp_path):
         ("{tokens: 0}", "tokens"),
         ("{tokens: 2.5}", "tokens"),
         ("{ratio: 0.2, slack: -1}", "slack"),
+        ("{ratio: 0.2, align: 2.5}", "align"),
     ],
 )
 def test_bad_budget(tmp_path, budget, key):

@@ -333,19 +333,19 @@ def reference_model():
 
 
 def attached_with_vllm_slack(model, recipe_name: str | dict):
-    """A kvpolicy session of the recipe with the slack the vLLM integration uses (a block's worth)."""
+    """A kvpolicy session of the recipe with the slack and the block-aligned evictions the vLLM integration uses."""
     import dataclasses
 
     import kvpolicy
     from kvpolicy.recipe import load_recipe, with_budget
 
     recipe = load_recipe(recipe_name)
-    recipe = with_budget(recipe, dataclasses.replace(recipe.budget, slack=SLACK))  # its schedule kept
+    recipe = with_budget(recipe, dataclasses.replace(recipe.budget, slack=SLACK, align=BLOCK))  # its schedule kept
     return kvpolicy.attach(model, recipe)
 
 
 def reference(model, recipe_name: str | dict, prompt: list[int], new_tokens: int) -> list[int]:
-    """kvpolicy's transformers path, greedy, with the slack the vLLM integration uses (a block's worth)."""
+    """kvpolicy's transformers path, greedy, evicting as the vLLM integration does (`attached_with_vllm_slack`)."""
     session = attached_with_vllm_slack(model, recipe_name)
     try:
         out = model.generate(torch.tensor([prompt]), past_key_values=session.new_cache(), max_new_tokens=new_tokens,
@@ -448,14 +448,14 @@ def test_the_heads_apart_recipe_differs_from_either_policy_alone(parallel_result
 @pytest.mark.parametrize("name", ["streaming", "h2o"])
 def test_blocks_held_are_the_budget_in_blocks(results, prompts, name):
     """Read from vLLM's block manager at every step: once the prompt is in, a request holds its budget
-    (20% of its prompt) plus the slack in blocks, plus the block the next tokens start in; stock holds them all."""
+    (20% of its prompt) in blocks and the one block its tokens since the last eviction lie in (evictions aligned to
+    blocks; without, the slack could straddle two); stock holds them all."""
     got, stock = results[name], results["stock"]
     for index, prompt in enumerate(prompts):
         budget = math.ceil(len(prompt) * 0.2)
         steady = [held for processed, held, _ in got["blocks"][index] if processed > len(prompt)]
         assert steady, got["blocks"][index]
-        limit = math.ceil((budget + SLACK + 1) / BLOCK) + 1
-        assert max(steady) <= limit
+        assert max(steady) == math.ceil(budget / BLOCK) + 1
         assert min(steady) >= math.ceil(budget / BLOCK)
         stock_held = max(held for _, held, _ in stock["blocks"][index])
         assert stock_held == math.ceil((len(prompt) + NEW_TOKENS - 1) / BLOCK)

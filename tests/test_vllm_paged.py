@@ -24,7 +24,7 @@ from kvpolicy.errors import KVPolicyError
 from kvpolicy.integrations.vllm.deferred import QueryWindows, stored_observation
 from kvpolicy.integrations.vllm.engine import rank_heads
 from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
-from kvpolicy.integrations.vllm.schedule import RequestSchedule, most_blocks
+from kvpolicy.integrations.vllm.schedule import RequestSchedule, decoding_blocks, most_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.recipe import load_recipe
 from kvpolicy.recipe.budget import Budget
@@ -34,7 +34,9 @@ HKV, GROUPS, DIM, BLOCK = 2, 2, 8, 4
 
 
 def recipe(policy: str, budget: dict, slack: int, params: dict | None = None) -> dict:
-    return {"kvpolicy": 1, "name": policy, "policy": policy, "params": params or {}, "budget": {**budget, "slack": slack}}
+    """Evictions aligned to blocks, as the vLLM integration makes them (`PagedPlan.align`)."""
+    return {"kvpolicy": 1, "name": policy, "policy": policy, "params": params or {},
+            "budget": {**budget, "slack": slack, "align": BLOCK}}
 
 
 def dense_layer(spec: dict) -> PolicyLayer:
@@ -61,10 +63,10 @@ def engine_kernel(cache: PagedLayerCache, blocks: list[int], length: int, query:
 class PagedRequest:
     """One request as vLLM's scheduler and worker see it, over a shared pool of blocks."""
 
-    def __init__(self, pool: list[int], rules, slack: int, prompt: int):
+    def __init__(self, pool: list[int], rules, slack: int, prompt: int, align: int = 0):
         self.pool, self.blocks, self.prompt, self.done = pool, [], prompt, 0
-        self.manager_view = RequestSchedule(rules, slack, BLOCK)  # the scheduler's copy
-        self.worker_view = RequestSchedule(rules, slack, BLOCK)  # the worker's copy
+        self.manager_view = RequestSchedule(rules, slack, BLOCK, align=align)  # the scheduler's copy
+        self.worker_view = RequestSchedule(rules, slack, BLOCK, align=align)  # the worker's copy
         self.last_blocks: list[int | None] = []  # the block table the worker saw at the last step
 
     def schedule(self, count: int) -> None:
@@ -114,7 +116,7 @@ def run_both(spec: dict, steps: list[list[int]], seed: int = 0, dtype: torch.dty
     kv = torch.zeros(total_blocks, HKV, BLOCK, 2 * DIM, dtype=dtype)
     cache = PagedLayerCache.over(*cpu_cache_views(kv), layer.policies)
     pool = list(range(1, total_blocks))  # block 0 is vLLM's null block
-    paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r]) for r in range(requests)]
+    paged = [PagedRequest(pool, plan.rules, plan.slack, prompts[r], plan.align) for r in range(requests)]
     windows = QueryWindows(1, window=5) if deferred else None
     assert not deferred or policies.defers
     worst = 0.0
@@ -422,54 +424,60 @@ def most_held(schedule: RequestSchedule, prompt: int, total: int, chunks: list[i
     return most, decoding
 
 
+@pytest.mark.parametrize("align", [0, 32])
 @pytest.mark.parametrize("prompt,chunk,rules,during_prefill", [
     (1500, 256, (Budget(ratio=0.2),), True), (1001, 128, (Budget(ratio=0.2),), True),
     (760, 512, (Budget(ratio=0.1),), True), (2000, 96, (Budget(ratio=0.3), Budget(tokens=64)), True),
     (1500, 512, (Budget(ratio=0.2),), False), (900, 100, (Budget(tokens=128),), False),
     (1200, 300, (Budget(ratio=0.2), Budget(tokens=96)), False), (150, 64, (Budget(ratio=0.5),), False),
 ])
-def test_most_blocks_bounds_what_a_request_holds_whatever_the_chunking(prompt, chunk, rules, during_prefill):
+def test_most_blocks_bounds_what_a_request_holds_whatever_the_chunking(prompt, chunk, rules, during_prefill, align):
     """A request is admitted when `most_blocks` are free beside what the running requests may still take, so that
     vLLM never preempts one: whatever chunks vLLM cuts a prompt into (at most ``chunk`` tokens, fewer when other
     requests share the step), the request must never hold more; and the bound must not be loose, or fewer
-    requests run at once than could."""
+    requests run at once than could. With evictions aligned to blocks (``align``, vLLM's default), a decoding
+    request holds a block less."""
     block, slack, new = 32, 31, 200
-    bound = most_blocks(rules, slack, block, prompt, prompt + new, chunk, during_prefill)
+    bound = most_blocks(rules, slack, block, prompt, prompt + new, chunk, during_prefill, align)
     rng = random.Random(prompt)
     most = decoding = 0
     for trial in range(12):
         chunks = [chunk] * (prompt // chunk + 1) if trial == 0 else [rng.randint(1, chunk) for _ in range(prompt)]
-        schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during_prefill)
+        schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during_prefill, align=align)
         held = most_held(schedule, prompt, prompt + new, chunks, block)
         most, decoding = max(most, held[0]), max(decoding, held[1])
     assert most <= bound < most + 6, (most, bound)
     # what the manager reserves for a request once its prompt is in
     # ... which is tight: a decoding request fills every block it can touch (the 200 new tokens pass many
-    # evictions, one of which straddles a block boundary)
-    assert most_blocks(rules, slack, block, prompt, prompt + new, 1, True) == decoding
+    # evictions; unaligned, one of them straddles a block boundary)
+    assert decoding_blocks(rules, slack, block, prompt, prompt + new, align) == decoding
+    if align:
+        assert decoding == decoding_blocks(rules, slack, block, prompt, prompt + new, 0) - 1
     if during_prefill and 4 * chunk < prompt:  # below the whole prompt's blocks, which vLLM would wait for
         assert bound < -(-prompt // block) * 0.7
-    assert most_blocks(rules, slack, block, prompt, prompt + 10, chunk, during_prefill) <= -(-(prompt + 10) // block)
+    assert most_blocks(rules, slack, block, prompt, prompt + 10, chunk, during_prefill, align) <= -(-(prompt + 10) // block)
 
 
 
 def test_most_blocks_holds_for_random_sizes_slacks_and_rules():
     """The bound the admission relies on, over block sizes, slacks (0 included), one to three rules of tokens and
-    ratios, and chunkings vLLM could cut: a request past its bound is one vLLM may have to preempt."""
+    ratios, chunkings vLLM could cut, evictions aligned to blocks or not: a request past its bound is one vLLM may
+    have to preempt."""
     rng = random.Random(7)
-    for _ in range(400):
+    for _ in range(600):
         block, slack = rng.choice([8, 16, 32]), rng.choice([0, 1, 7, 31, 63, 100])
+        align = rng.choice([0, block])
         prompt, new, chunk = rng.randint(20, 1200), rng.randint(1, 200), rng.randint(1, 512)
         rules = tuple(Budget(ratio=rng.choice([0.1, 0.2, 0.5])) if rng.random() < 0.5
                       else Budget(tokens=rng.randint(8, 400)) for _ in range(rng.randint(1, 3)))
         during = rng.random() < 0.5
         chunks = ([chunk] * (prompt // chunk + 1) if rng.random() < 0.5
                   else [rng.randint(1, chunk) for _ in range(prompt)])
-        schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during)
+        schedule = RequestSchedule(rules, slack, block, evict_during_prefill=during, align=align)
         most, decoding = most_held(schedule, prompt, prompt + new, chunks, block)
-        case = (block, slack, prompt, new, chunk, rules, during)
-        assert most <= most_blocks(rules, slack, block, prompt, prompt + new, chunk, during), case
-        assert decoding <= most_blocks(rules, slack, block, prompt, prompt + new, 1, True), case
+        case = (block, slack, prompt, new, chunk, rules, during, align)
+        assert most <= most_blocks(rules, slack, block, prompt, prompt + new, chunk, during, align), case
+        assert decoding <= decoding_blocks(rules, slack, block, prompt, prompt + new, align), case
 
 # --- settings: what a user writes, and what a paged engine refuses -------------------------------------------
 

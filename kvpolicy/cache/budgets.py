@@ -39,6 +39,10 @@ class CellBudgets:
         self.recipe_slack = max([h.budget.slack for row in rows for h in row.heads]
                                 + [g.policy.lag for g in groups if g.policy.evicts])
         self.slack = self.recipe_slack
+        # a row over budget also evicts when its next token lies in a later block of `align` positions than its last
+        # eviction did (`Budget.align`; 0: off); none with a policy's lag, which sets when evictions come itself
+        lagged = any(g.policy.lag for g in groups if g.policy.evicts)
+        self.align = 0 if lagged else max(h.budget.align for row in rows for h in row.heads)
         self.tiers = layer_tiers([h.budget for row in rows for h in row.heads])
         self.tier_costs: TierCosts | None = None  # `price_tiers`: set once a tiered store knows its shapes
         self.reset()

@@ -101,6 +101,7 @@ class PolicyLayer:
         self.profiled = not self.profiling
         self.awaits_probe = self.probed_cache
         self.evicting = True  # False once the owner stops it (`PolicyCache.stop_evicting`): every token then stays
+        self.evicted_block: torch.Tensor | None = None  # [B] tokens seen // align at each row's last eviction (-1: none)
         # while a probe runs: what the layer held before its first pass (used slots, slots seen, tokens seen,
         # packed tokens, pads in the last pass), restored after each pass
         self.probe_mark: tuple | None = None
@@ -319,11 +320,13 @@ class PolicyLayer:
                 return
             if budgets.uniform_limit is not None:
                 over = store.packed_tokens - budgets.uniform_limit
-                if over <= budgets.slack:
+                if over <= budgets.slack and not (over > 0 and self._crossed_block()):
                     return
                 if over == 1 and not self.merging:
                     store.drop_one(self._scores().argmin(dim=2))  # the decode step: one token out per cell
                     self.evictions += 1
+                    if budgets.align:
+                        self._note_eviction(torch.ones_like(self.tokens_seen, dtype=torch.bool))
                     return
         count = self.valid[:, :, : self.used].sum(dim=2)
         if budgets.allocation_pending():
@@ -333,7 +336,9 @@ class PolicyLayer:
         if budgets.thresholded:  # what a threshold keeps depends on the scores: they are read at every pass
             scores = self._scores()
             limit = budgets.under_threshold(limit, scores, self.token_view().seen)
-        if not self.pass_has_pads and int((count - limit).max()) <= budgets.slack and not store.wants_scores():
+        over = count - limit
+        if (not self.pass_has_pads and int(over.max()) <= budgets.slack and not store.wants_scores()
+                and not self._crossed_block(over)):
             store.evict(None, count, count)  # nothing to drop; a format may still settle this pass's tokens
             return
         scores = self._scores() if scores is None else scores
@@ -342,12 +347,31 @@ class PolicyLayer:
             scores = merge_evicted(store, self.merging, self.group_state, self.token_view(), scores, keep)
         self.evictions += 1
         self.weighs_tokens_seen = False
+        if budgets.align:
+            self._note_eviction((count > keep).any(dim=1))
         store.evict(scores, keep, count)
         if isinstance(store, DenseStore) and budgets.any_limited:
             if ragged_pays(budgets.segment_sizes(keep)):
                 self.store = RaggedStore.from_dense(store, keep)
             else:
                 store.fit(int(keep.max()))
+
+    def _crossed_block(self, over: torch.Tensor | None = None) -> bool:
+        """Whether a row over budget (``over`` [B, Hkv] > 0; None: every row) has its next token in a later block of
+        `CellBudgets.align` positions than its last eviction: it evicts now (a sync, only with an alignment)."""
+        align = self.budgets.align
+        if not align or self.evicted_block is None:
+            return False
+        crossed = (self.tokens_seen // align > self.evicted_block) & (self.evicted_block >= 0)
+        if over is not None:
+            crossed &= (over > 0).any(dim=1)
+        return bool(crossed.any())
+
+    def _note_eviction(self, rows: torch.Tensor) -> None:
+        """The block each row that drops tokens now (``rows`` [B] bool) evicts in."""
+        if self.evicted_block is None:
+            self.evicted_block = torch.full_like(self.tokens_seen, -1)
+        self.evicted_block = torch.where(rows, self.tokens_seen // self.budgets.align, self.evicted_block)
 
     # --- inspection -------------------------------------------------------------------------------------
     def kept_positions(self) -> list[list[list[int]]]:

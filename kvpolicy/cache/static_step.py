@@ -85,6 +85,8 @@ class StaticStep:
             return "its policies set their own budgets"
         if budgets.uniform_limit is None:
             return "its cells have no one common budget"
+        if budgets.align:
+            return f"its evictions align to blocks of {budgets.align} (their steps vary)"
         if budgets.slack:
             return f"its budget has slack {budgets.slack} (compaction every slack + 1 steps changes shapes)"
         if layer.drops_early or layer.token_id_policies or layer.in_cache_cells is not None or not layer.profiled:

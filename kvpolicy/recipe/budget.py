@@ -56,12 +56,15 @@ class Budget:
     (`Tier`); empty for a cache kept at the model's dtype.
     ``slack`` tokens may accumulate over the budget before a compaction (amortized
     eviction): fewer compactions, at the cost of up to ``slack`` extra tokens of memory.
+    ``align``: a row over budget also compacts when its next token lies in a later block of ``align``
+    positions than its last compaction did (0: off), so that what arrives between two compactions
+    never straddles two blocks; kvpolicy's vLLM integration compacts so with its block size.
     ``by_policy``: the policy sets the budget itself at every eviction (``dynamic_budget``
     policies such as FastGen); a recipe's budget does not apply.
 
     As read from a recipe, a budget also says how it is spread over layers (``schedule``; None once
     spread, and in every resolved plan), which of its parts a rule takes from the top-level budget
-    (``inherits``: "amount", "slack"; empty once resolved) and the YAML path it was read from
+    (``inherits``: "amount", "slack", "align"; empty once resolved) and the YAML path it was read from
     (``source``: its schedule spreads over the layers whose heads share that source).
     """
 
@@ -69,6 +72,7 @@ class Budget:
     ratio: float | None = None
     slack: int = 0
     by_policy: bool = False
+    align: int = 0
     memory: float | None = None
     tiers: tuple[Tier, ...] = ()
     threshold: float | None = None  # keep only tokens scoring >= threshold x the mean, up to the amount
@@ -106,10 +110,11 @@ class Budget:
         if not self.inherits:
             return self
         slack = top.slack if "slack" in self.inherits else self.slack
+        align = top.align if "align" in self.inherits else self.align
         if "amount" in self.inherits:  # only a schedule and/or tiers: the top level's amount
-            return dataclasses.replace(top, slack=slack, tiers=self.tiers or top.tiers, schedule=self.schedule,
-                                       inherits=frozenset(), source=self.source)
-        return dataclasses.replace(self, slack=slack, inherits=frozenset())
+            return dataclasses.replace(top, slack=slack, align=align, tiers=self.tiers or top.tiers,
+                                       schedule=self.schedule, inherits=frozenset(), source=self.source)
+        return dataclasses.replace(self, slack=slack, align=align, inherits=frozenset())
 
     def amount_only(self) -> Budget:
         """The amount alone (tokens, ratio or memory, and tiers): slack, schedule and source dropped."""
@@ -130,6 +135,7 @@ class Budget:
         if self.threshold is not None:
             text = f"tokens scoring >= {self.threshold:g}x the mean, at most {text}"
         text += f" (+{self.slack} slack)" if self.slack else ""
+        text += f" (compactions aligned to blocks of {self.align})" if self.align else ""
         return text + (f" in tiers {' + '.join(t.describe() for t in self.tiers)}" if self.tiers else "")
 
     @property

@@ -98,7 +98,7 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
     """The `Budget` that a ``budget:`` mapping at ``path`` gives, its schedule included.
 
     A rule's budget without an amount (only a schedule and/or tiers) takes the top-level amount,
-    and one without ``slack`` the top-level slack (`Budget.inherits`, applied by `Budget.over`).
+    and one without ``slack`` (``align``) the top-level one (`Budget.inherits`, applied by `Budget.over`).
     A budget may give only ``tiers``: tokens kept at chosen precisions, none evicted by the
     budget (for policies that never evict).
     """
@@ -109,16 +109,21 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
     if not (type_ok(slack, int) and 0 <= slack <= MAX_TOKENS):
         raise recipe_error(file, line_of(raw, "slack"), f"{path}.slack",
                            f"must be an integer from 0 to {MAX_TOKENS:,}, got {quote(slack)}", number_hint(slack))
+    align = raw.get("align", DEFAULTS["budget", "align"])
+    if not (type_ok(align, int) and 0 <= align <= MAX_TOKENS):
+        raise recipe_error(file, line_of(raw, "align"), f"{path}.align",
+                           f"must be an integer from 0 to {MAX_TOKENS:,} (0: off), got {quote(align)}",
+                           number_hint(align) or "A block size in tokens, e.g. align: 32")
     tiers = () if "tiers" not in raw else read_tiers(raw["tiers"], f"{path}.tiers", file, line_of(raw, "tiers"),
                                                       given[0] if len(given) == 1 else None)
-    inherits = frozenset({"slack"} if rule and "slack" not in raw else ())
+    inherits = frozenset(key for key in ("slack", "align") if rule and key not in raw)
     if "threshold" in raw and not given:
         raise recipe_error(file, line_of(raw, "threshold"), f"{path}.threshold", "a threshold needs a cap",
                            "Give the most tokens to keep beside it: budget: {ratio: 0.3, threshold: 1.0}")
     if (rule and not given and schedule is not None) or (not given and tiers and schedule is None):
         if rule:
             inherits |= {"amount"}
-        return Budget(slack=slack, tiers=tiers, schedule=schedule, inherits=inherits, source=path)
+        return Budget(slack=slack, align=align, tiers=tiers, schedule=schedule, inherits=inherits, source=path)
     if len(given) != 1:
         problem = "give exactly one of ratio/tokens/memory" + (f", not {' and '.join(given)}" if given else "")
         raise recipe_error(file, line_of(raw), path, problem,
@@ -144,6 +149,6 @@ def read_budget(raw: Any, path: str, file: str, line: int | None, rule: bool = F
             raise recipe_error(*where, "a threshold keeps a number of tokens that follows the input, which precision "
                                "tiers and memory budgets cannot size", "Give the cap as ratio: or tokens:, without tiers")
         threshold = float(threshold)
-    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack,
+    return Budget(tokens=tokens, ratio=None if ratio is None else float(ratio), slack=slack, align=align,
                   memory=None if memory is None else float(memory), tiers=tiers, threshold=threshold,
                   schedule=schedule, inherits=inherits, source=path)

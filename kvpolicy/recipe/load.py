@@ -143,8 +143,8 @@ def load_recipe(source: str | os.PathLike | dict, registry: Registry | None = No
 def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
     """A copy of ``recipe`` with its top-level budget replaced (rules with their own budget keep theirs).
 
-    The recipe's precision tiers, slack, threshold and layer schedule stay unless ``budget`` gives its own (a slack
-    above 0): a sweep over amounts keeps each recipe's way of spending them (Scissorhands drops 16 tokens at once,
+    The recipe's precision tiers, slack, alignment, threshold and layer schedule stay unless ``budget`` gives its own
+    (a slack or an alignment above 0): a sweep over amounts keeps each recipe's way of spending them (Scissorhands drops 16 tokens at once,
     h2o-mixed moves 16 down a tier at once, a threshold recipe keeps what clears its threshold, at every amount)."""
     if not isinstance(budget, Budget):
         raise TypeError(f"expected a kvpolicy.Budget, got {budget!r}")
@@ -152,6 +152,8 @@ def with_budget(recipe: Recipe, budget: Budget) -> Recipe:
         budget = dataclasses.replace(budget, tiers=recipe.budget.tiers)
     if not budget.slack and recipe.budget is not None and recipe.budget.slack:
         budget = dataclasses.replace(budget, slack=recipe.budget.slack)
+    if not budget.align and recipe.budget is not None and recipe.budget.align:
+        budget = dataclasses.replace(budget, align=recipe.budget.align)
     if budget.threshold is None and recipe.budget is not None and recipe.budget.threshold is not None:
         if budget.memory is not None:
             raise KVPolicyError(f"recipe {recipe.name!r} keeps tokens above a threshold, which a budget in bytes "

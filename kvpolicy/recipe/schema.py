@@ -96,6 +96,10 @@ BUDGET = (
         "the input; the cache scores at every step", "none: keep the amount"),
     Key("slack", "integer >= 0", 0, "tokens a head may go over budget before one compaction drops them all "
         "(amortized eviction: fewer compactions, up to `slack` tokens more memory)"),
+    Key("align", "integer >= 0", 0, "a row over budget also compacts when its next token starts a later block of "
+        "`align` positions than its last compaction did, so that the tokens between two compactions never straddle "
+        "two blocks (kvpolicy's vLLM integration compacts so with its block size: set it to reproduce vLLM's "
+        "answers here)", "0: off"),
     Key("schedule", f"one of {', '.join(SCHEDULES)}", "uniform", "how the budget is spread over the layers "
         "that use it; the mean layer budget stays the budget"),
     Key("beta", "number >= 1", 20.0, "steepness of pyramid and funnel: the smallest layer budget is "

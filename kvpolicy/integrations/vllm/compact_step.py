@@ -218,7 +218,7 @@ class CompactBuilder:
             if key in batch.started or schedule is None:  # new, or resumed after a preemption: it starts over
                 self._forget(key)
                 schedule = self.schedules[key] = RequestSchedule(plan.rules, plan.slack, block_size,
-                                                                 plan.evict_during_prefill)
+                                                                 plan.evict_during_prefill, align=plan.align)
                 if start:  # its first `start` tokens are a prefix-cache hit, copied into its own blocks
                     adopted.append((table[row], start))
                     if self.snapshot_tokens and start % self.snapshot_tokens:

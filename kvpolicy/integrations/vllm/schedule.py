@@ -10,7 +10,8 @@ the start of that step (the worker's compaction reads them in each layer before 
 there); the worker, which is never told which blocks were freed, works out the same layout from the same rule.
 
 The rule is kvpolicy's own (`kvpolicy.cache.budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
-is cut back to ``budget``; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
+is cut back to ``budget``, and so is a request over budget whose step starts in a later block than its last eviction
+did (``align``, the block size: `Budget.align`), so that what arrives between two evictions lies in one block; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
 ``evict_during_prefill``, as soon as the request arrives (vLLM knows its prompt's length), so that a long prompt
 evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the
 step's new tokens), which is where kvpolicy's transformers path stands after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
@@ -35,7 +36,7 @@ def evicts_during_prefill(rules: tuple[Budget, ...], evict_during_prefill: bool)
 
 
 def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_tokens: int, total_tokens: int,
-                step_tokens: int | None = None, evict_during_prefill: bool = False) -> int:
+                step_tokens: int | None = None, evict_during_prefill: bool = False, align: int = 0) -> int:
     """The most blocks a request ever holds, whatever vLLM's chunking: ``prompt_tokens`` come in at most
     ``step_tokens`` a step (vLLM's max_num_batched_tokens; None: at once), then one a step up to ``total_tokens``
     (the prompt and its ``max_tokens``, within max_model_len). Once every rule has evicted, a request holds the
@@ -47,16 +48,36 @@ def most_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_t
     budgets = [rule.limit_for(prompt_tokens) for rule in rules]
     if not budgets or any(budget is None for budget in budgets):
         return whole
-    arena = max(arena_blocks(budget, block_size) for budget in budgets)
-
-    def evicting(step: int) -> int:
-        return arena + -(-(slack + step - 1) // block_size) + 1
-
     prompt_blocks = -(-prompt_tokens // block_size)
-    prefill = (min(prompt_blocks, evicting(step_tokens or prompt_tokens))
+    prefill = (min(prompt_blocks, _evicting(budgets, slack, block_size, step_tokens or prompt_tokens))
                if evicts_during_prefill(rules, evict_during_prefill) else prompt_blocks)
-    decode = evicting(1) if total_tokens > prompt_tokens else 0
+    decode = decoding_blocks(rules, slack, block_size, prompt_tokens, total_tokens, align) \
+        if total_tokens > prompt_tokens else 0
     return min(whole, max(prefill, decode))
+
+
+def decoding_blocks(rules: tuple[Budget, ...], slack: int, block_size: int, prompt_tokens: int, total_tokens: int,
+                    align: int = 0) -> int:
+    """The most blocks a request holds once its prompt is in (see `most_blocks`). With
+    evictions aligned to blocks (``align == block_size``) and every rule's first eviction made by the first decode
+    step, the tokens since the last eviction lie in the block the step starts in: one block past the arena."""
+    budgets = [rule.limit_for(prompt_tokens) for rule in rules]
+    whole = -(-total_tokens // block_size)
+    if not budgets or any(budget is None for budget in budgets):
+        return whole
+    settled = all(prompt_tokens > budget + slack and prompt_tokens >= arena_blocks(budget, block_size) * block_size
+                  for budget in budgets)
+    if align == block_size and settled:
+        return min(whole, max(arena_blocks(budget, block_size) for budget in budgets) + 1)
+    return min(whole, _evicting(budgets, slack, block_size, 1))
+
+
+def _evicting(budgets: list[int], slack: int, block_size: int, step: int) -> int:
+    """Blocks held once every rule has evicted, ``step`` tokens a step: the largest arena, and what came in since
+    the oldest last eviction (at most the slack) and one step's tokens, ``n`` in a row touching at most
+    ``ceil((n - 1) / block_size) + 1`` blocks."""
+    arena = max(arena_blocks(budget, block_size) for budget in budgets)
+    return arena + -(-(slack + step - 1) // block_size) + 1
 
 
 @dataclass
@@ -75,6 +96,7 @@ class RequestSchedule:
     slack: int
     block_size: int
     evict_during_prefill: bool = False  # take the prompt's length from the first step, not once the prompt is in
+    align: int = 0  # also evict a request over budget whose step starts in a later block of this many positions
     prompt_tokens: int | None = None  # known at the first step start past the prompt (or at the first step)
     last_start: int = 0
     started: bool = False
@@ -102,7 +124,10 @@ class RequestSchedule:
             if state.budget is None:
                 state.budget = rule.limit_for(self.prompt_tokens)
             count = state.held + added
-            evict = (state.budget is not None and count > state.budget + self.slack
+            crossed = (self.align > 0 and state.evicted_at is not None
+                       and start // self.align > state.evicted_at // self.align)
+            evict = (state.budget is not None and (count > state.budget + self.slack or
+                                                   (crossed and count > state.budget))
                      and start >= arena_blocks(state.budget, self.block_size) * self.block_size)
             state.held = state.budget if evict else count
             if evict:

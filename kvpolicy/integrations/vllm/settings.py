@@ -99,6 +99,7 @@ class PagedPlan:
     rules: tuple[Budget, ...]  # the distinct layer budgets, their amounts alone
     slack: int
     evict_during_prefill: bool = False  # `Settings.evict_during_prefill`
+    align: int = 0  # a request over budget also evicts when its step starts a later block (`Budget.align`)
     step_tokens: int | None = None  # the most tokens vLLM's scheduler runs in one step (a prompt chunk's bound)
     preemption: str = "never"  # `Settings.preemption`
     # over all the model's KV heads, not this rank's: what the scheduler sees must be the same on every rank
@@ -132,7 +133,8 @@ class PagedPlan:
     def scheduler_view(self, block_size: int) -> dict[str, Any]:
         """What vLLM's scheduler is told of the recipe (`KVPolicySpec.from_spec`'s arguments). It depends on the
         whole recipe, never on a rank's heads: vLLM refuses ranks whose KV cache specs differ."""
-        return {"rules": self.rules, "slack": self.slack, "evict_during_prefill": self.evict_during_prefill,
+        return {"rules": self.rules, "slack": self.slack, "align": self.align,
+                "evict_during_prefill": self.evict_during_prefill,
                 "step_tokens": self.step_tokens, "reserve": self.preemption == "never",
                 "hit_tokens": self.snapshot_tokens(block_size)}
 
@@ -144,7 +146,8 @@ class PagedPlan:
     def describe(self) -> str:
         budgets = ", ".join(rule.describe() for rule in self.rules)
         during = ", evicting during prefill" if self.evict_during_prefill else ""
-        return f"{self.plan.name}: {len(self.layers)} layers, budgets {budgets}, slack {self.slack}{during}"
+        aligned = f", evictions aligned to blocks of {self.align}" if self.align else ""
+        return f"{self.plan.name}: {len(self.layers)} layers, budgets {budgets}, slack {self.slack}{aligned}{during}"
 
 
 def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_size: int,
@@ -208,7 +211,11 @@ def paged_plan(settings: Settings, num_layers: int, num_kv_heads: int, block_siz
     lag = max([policy.lag for policy in policies.values() if policy.evicts], default=0)  # the policy's own rhythm
     # a block's worth of slack: each eviction then frees a whole block, and a decode step evicts once per block
     slack = max(settings.slack if settings.slack is not None else max(recipe_slack, block_size - 1), lag)
-    return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack,
+    # and evictions aligned to blocks: the tokens since the last one then lie in one block, not two (a decoding
+    # request holds a block less); a policy's lag sets when evictions come itself
+    recipe_align = max(h.budget.align for layer in plan.layers for h in layer.heads)
+    align = 0 if lag else recipe_align or block_size
+    return PagedPlan(plan=plan, layers=layers, rules=tuple(rules), slack=slack, align=align,
                      evict_during_prefill=settings.evict_during_prefill, preemption=settings.preemption,
                      recipe_reads_statistics=bool(readers),
                      recipe_sums_statistics=all(defers_statistics(layer) for layer in readers))

@@ -29,7 +29,7 @@ from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from ...recipe.budget import Budget
-from .schedule import RequestSchedule, most_blocks
+from .schedule import RequestSchedule, decoding_blocks, most_blocks
 
 logger = logging.getLogger("vllm.kvpolicy")
 
@@ -40,6 +40,7 @@ class KVPolicySpec(FullAttentionSpec):
 
     kvpolicy_rules: tuple[tuple[int | None, float | None], ...] = ()
     kvpolicy_slack: int = 0
+    kvpolicy_align: int = 0
     kvpolicy_evict_during_prefill: bool = False
     kvpolicy_step_tokens: int | None = None
     kvpolicy_reserve: bool = True  # admit a request only when it and the running ones can reach their bounds
@@ -50,22 +51,22 @@ class KVPolicySpec(FullAttentionSpec):
     @classmethod
     def from_spec(cls, spec: FullAttentionSpec, rules: tuple[Budget, ...], slack: int,
                   evict_during_prefill: bool = False, step_tokens: int | None = None,
-                  reserve: bool = True, hit_tokens: int = 0) -> KVPolicySpec:
+                  reserve: bool = True, hit_tokens: int = 0, align: int = 0) -> KVPolicySpec:
         given = {f.name: getattr(spec, f.name) for f in fields(FullAttentionSpec) if f.init}
         return cls(**given, kvpolicy_rules=tuple((r.tokens, r.ratio) for r in rules), kvpolicy_slack=slack,
-                   kvpolicy_evict_during_prefill=evict_during_prefill, kvpolicy_step_tokens=step_tokens,
+                   kvpolicy_align=align, kvpolicy_evict_during_prefill=evict_during_prefill, kvpolicy_step_tokens=step_tokens,
                    kvpolicy_reserve=reserve, kvpolicy_hit_tokens=hit_tokens)
 
     @classmethod
     def merge(cls, specs: list[KVPolicySpec]) -> KVPolicySpec:
         policies = {(s.kvpolicy_rules, s.kvpolicy_slack, s.kvpolicy_evict_during_prefill, s.kvpolicy_step_tokens,
-                     s.kvpolicy_reserve, s.kvpolicy_hit_tokens) for s in specs}
+                     s.kvpolicy_reserve, s.kvpolicy_hit_tokens, s.kvpolicy_align) for s in specs}
         if len(policies) != 1:
             raise ValueError(f"kvpolicy: the layers of one KV cache group disagree on their budgets: {policies}")
         base = FullAttentionSpec.merge(specs)
-        rules, slack, during_prefill, step_tokens, reserve, hit_tokens = policies.pop()
+        rules, slack, during_prefill, step_tokens, reserve, hit_tokens, align = policies.pop()
         return cls.from_spec(base, tuple(Budget(*rule) for rule in rules), slack, during_prefill, step_tokens,
-                             reserve, hit_tokens)
+                             reserve, hit_tokens, align)
 
     def rules(self) -> tuple[Budget, ...]:
         return tuple(Budget(*rule) for rule in self.kvpolicy_rules)
@@ -80,6 +81,7 @@ class KVPolicyManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self.rules = kv_cache_spec.rules()
         self.slack = kv_cache_spec.kvpolicy_slack
+        self.align = kv_cache_spec.kvpolicy_align
         self.evict_during_prefill = kv_cache_spec.kvpolicy_evict_during_prefill
         self.step_tokens = kv_cache_spec.kvpolicy_step_tokens
         self.reserve = kv_cache_spec.kvpolicy_reserve
@@ -102,9 +104,9 @@ class KVPolicyManager(FullAttentionManager):
     def note_request(self, request_id: str, prompt_tokens: int, total_tokens: int) -> None:
         if request_id not in self.bounds:
             self.bounds[request_id] = most_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
-                                                  total_tokens, self.step_tokens, self.evict_during_prefill)
-            self.decode_bounds[request_id] = most_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
-                                                         total_tokens, 1, True)
+                                                  total_tokens, self.step_tokens, self.evict_during_prefill, self.align)
+            self.decode_bounds[request_id] = decoding_blocks(self.rules, self.slack, self.block_size, prompt_tokens,
+                                                             total_tokens, self.align)
 
     def held(self, request_id: str) -> int:
         return sum(1 for block in self.req_to_blocks.get(request_id, ()) if not block.is_null)
@@ -170,7 +172,7 @@ class KVPolicyManager(FullAttentionManager):
         schedule = self.schedules.get(request_id)
         if schedule is None:
             schedule = self.schedules[request_id] = RequestSchedule(self.rules, self.slack, self.block_size,
-                                                                    self.evict_during_prefill)
+                                                                    self.evict_during_prefill, align=self.align)
         if self.evict_during_prefill and num_prompt_tokens is None:
             raise RuntimeError("kvpolicy: evict_during_prefill needs the prompt's length from vLLM's scheduler "
                                "(remove_skipped_blocks(..., num_prompt_tokens)); this vLLM does not pass it")
