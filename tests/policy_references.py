@@ -503,13 +503,15 @@ class BruteForceKVzip(BruteForce):
     head gave it. Nothing is evicted before that; then each head keeps its first ``sinks`` tokens, the tokens after
     the prompt (newest first) and its best-scoring prompt tokens, ``budget`` in all. ``heads_share``: AdaKV's split
     with no floor (kvzip-ada): at a row's first eviction each layer's heads x budget go to its pinned tokens and then
-    to its best (head, prompt token) scores, fixed from then on."""
+    to its best (head, prompt token) scores, fixed from then on. ``model_share`` (kvzip-global): the model's layers x
+    heads x budget go to its pinned tokens and then to its best (layer, head, prompt token) scores, each head keeping
+    what it won."""
 
     name = "kvzip_bruteforce"
 
-    def __init__(self, budget, sinks, chunk, request, request_next, suffix, heads_share=False):
+    def __init__(self, budget, sinks, chunk, request, request_next, suffix, heads_share=False, model_share=False):
         super().__init__(budget)
-        self.sinks, self.chunk, self.heads_share = sinks, chunk, heads_share
+        self.sinks, self.chunk, self.heads_share, self.model_share = sinks, chunk, heads_share, model_share
         self.request, self.request_next, self.suffix = request, request_next, suffix
         self.probing, self.probed = False, False
         self.scores: dict[tuple[int, int, int], dict[int, float]] = {}
@@ -566,6 +568,14 @@ class BruteForceKVzip(BruteForce):
                 kept.intersection_update(sorted(kept, key=self.priority(layer, b, h), reverse=True)[:budget])
 
     def evict_after_probe(self, layers, batch, heads):
+        if self.model_share:
+            for b in range(batch):
+                entries = sorted(((self.priority(layer, b, h)(j), layer, h) for layer in range(layers)
+                                  for h in range(heads) for j in self.kept[(layer, b, h)]), reverse=True)
+                won = entries[: layers * heads * self.budget]
+                for layer in range(layers):
+                    for h in range(heads):
+                        self.budgets[(layer, b, h)] = sum(1 for _, ll, hh in won if (ll, hh) == (layer, h))
         for layer in range(layers):
             for b in range(batch):
                 if self.heads_share and sum(len(self.kept[(layer, b, h)]) for h in range(heads)) > heads * self.budget:

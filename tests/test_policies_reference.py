@@ -170,7 +170,7 @@ KVZIP_REQUEST, KVZIP_NEXT = "Say it all again.", "Go on from"
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-@pytest.mark.parametrize("policy", ["kvzip", "kvzip-ada"])
+@pytest.mark.parametrize("policy", ["kvzip", "kvzip-ada", "kvzip-global"])
 def test_kvzip_matches_bruteforce(policy, arch):
     """The probe passes (chunks of 16: two for the 30- and 20-token prompts, the second quoting the first's last 8
     tokens; one for the 9-token one, which gets a pass of pads alongside), the max-attention scores, the eviction once the probe
@@ -181,15 +181,16 @@ def test_kvzip_matches_bruteforce(policy, arch):
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     model = tiny_model(arch)
     ids, mask = padded_batch(lengths=(30, 20, 9))
-    ada = policy == "kvzip-ada"
+    ada, model_wide = policy == "kvzip-ada", policy == "kvzip-global"
     reference = BruteForceKVzip(6, sinks=2, chunk=16, request=encode(f"\n\n{KVZIP_REQUEST}"),
-                                request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"), heads_share=ada)
-    params = {"sinks": 2, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT, **({"alpha": 0.0} if ada else {})}
+                                request_next=encode(f"\n\n{KVZIP_NEXT}"), suffix=encode("\n"), heads_share=ada,
+                                model_share=model_wide)
+    params = {"sinks": 2, "chunk": 16, "request": KVZIP_REQUEST, "request_next": KVZIP_NEXT, **({"alpha": 0.0} if ada or model_wide else {})}
     # 3 steps: the prompt and 2 decode steps, each new token displacing a prompt token, whose scores are compared below
     steps = run_against_reference(model, reference, uniform_plan(model, policy, Budget(tokens=6), **params), ids, mask,
                                   3, tokenizer=tokenizer)
     layers = range(model.config.num_hidden_layers)
-    assert all(len(head) == 6 for head in steps[0][0][0]) or ada  # the prompt compressed once the probe was over
+    assert all(len(head) == 6 for head in steps[0][0][0]) or ada or model_wide  # compressed once the probe was over
     assert len(reference.scores[(0, 0, 0)]) == 30  # every prompt token of the long row was scored
     # the scores themselves, of every prompt token still held: each its most attention in any probe pass
     compared = 0
@@ -208,6 +209,10 @@ def test_kvzip_matches_bruteforce(policy, arch):
     if ada:  # heads keep different counts, the layer's total the same
         counts = [[len(head) for head in row] for layer in layers for row in steps[0][layer]]
         assert any(len(set(row)) > 1 for row in counts) and all(sum(row) == 6 * len(row) for row in counts), counts
+    if model_wide:  # layers keep different totals, the model's the same (the 9-token row has 9 a head to give)
+        totals = [[sum(len(head) for head in steps[0][layer][row]) for layer in layers] for row in range(2)]
+        heads = len(steps[0][0][0])
+        assert all(len(set(row)) > 1 and sum(row) == 6 * heads * len(layers) for row in totals), totals
 
 
 @pytest.mark.parametrize("arch", ["llama", "opt"])

@@ -35,7 +35,7 @@ def plugin(*policies) -> types.ModuleType:
 def test_builtins_register_through_the_hook():
     registry = Registry(load_entry_points=False)
     assert registry.names() == [
-        "adakv", "d2o", "fastgen", "full", "h2o", "h2o-kvzip", "h2o-kvzip-ada", "kvzip", "kvzip-ada", "lazy", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
+        "adakv", "d2o", "fastgen", "full", "h2o", "h2o-kvzip", "h2o-kvzip-ada", "kvzip", "kvzip-ada", "kvzip-global", "lazy", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
     ]
     assert {entry.source for entry in registry.policies.values()} == {"built-in"}
     assert registry.get("h2o").needs == frozenset({"colsum"})
@@ -62,7 +62,7 @@ def test_broken_plugin_is_reported_and_others_still_work(bad, reason):
     registry._add_plugin(plugin(bad), "broken", "plugin broken 0.1")
     assert reason in registry.broken["broken"]
     assert registry.get("h2o")
-    with pytest.raises(KVPolicyError, match="Available: adakv, d2o, fastgen, full, h2o, h2o-kvzip, h2o-kvzip-ada, kvzip, kvzip-ada, lazy, roco, scissorhands, snapkv, streaming, tova, window"):
+    with pytest.raises(KVPolicyError, match="Available: adakv, d2o, fastgen, full, h2o, h2o-kvzip, h2o-kvzip-ada, kvzip, kvzip-ada, kvzip-global, lazy, roco, scissorhands, snapkv, streaming, tova, window"):
         registry.get("needy")
 
 

@@ -262,6 +262,12 @@ class PolicyLayer:
         used, self.slots_seen, self.tokens_seen, packed, self.pass_has_pads = self.probe_mark
         self.store.truncate(used, packed)
 
+    def weigh_probe(self) -> None:
+        """The probe is over: a layer that weighs itself against the others says so now, from the probe's scores
+        (every layer does, before any evicts)."""
+        if self.ledger is not None and self.budgets.allocation_pending():
+            self._report_weight()
+
     def end_probe(self) -> None:
         """The probe is over: evict the prompt as its scores now say."""
         self.probe_mark, self.awaits_probe = None, False
@@ -273,6 +279,20 @@ class PolicyLayer:
 
     def _report_weight(self) -> None:
         view = self.token_view()
+        open_rows = ~self.budgets.allocated.any(dim=1) if self.budgets.allocated is not None else None
+        ranking = [g for g in self.weighing if g.policy.ranks_across_layers]
+        if ranking:  # the layer's scores, ranked with every other layer's by the ledger
+            if len(ranking) != len(self.weighing):
+                raise KVPolicyError(f"layer {self.layer_idx}: policies that rank tokens across layers cannot share a "
+                                    "layer with policies that weigh layers otherwise; give the layer one of them")
+            scores = torch.full_like(view.positions, -torch.inf, dtype=torch.float32)
+            for group in ranking:
+                given = call_policy(group.policy, "score", group.policy.score, self.group_state(group), view)
+                cells = group.cells.to(scores.device)[..., None]
+                scores = torch.where(cells & view.valid, given.float(), scores)
+            budget = torch.stack([torch.where(g.cells.to(view.budget.device), view.budget, 0) for g in ranking]).sum(0)
+            self.ledger.report_scores(self.layer_idx, scores.flatten(1), budget.sum(dim=1), open_rows)
+            return
         weights = [call_policy(g.policy, "layer_weight", g.policy.layer_weight, self.group_state(g), view)
                    for g in self.weighing]
         rows = view.seen.shape
@@ -281,7 +301,6 @@ class PolicyLayer:
             if not bool((weight > 0).all()):
                 raise KVPolicyError(f"policy {group.policy.name!r} gave layer {self.layer_idx} a weight <= 0 (or NaN); "
                                     "layer weights must be > 0")
-        open_rows = ~self.budgets.allocated.any(dim=1) if self.budgets.allocated is not None else None
         self.ledger.report(self.layer_idx, torch.stack(weights).mean(dim=0), open_rows)
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:

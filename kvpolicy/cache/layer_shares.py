@@ -7,6 +7,10 @@ a prompt in one forward pass evicts each layer before the layers above have seen
 so the shares are fixed at the next pass (the first generated token). Deciding earlier, from
 the layers below alone, made the total drift (0.88x the recipe's on a 4,000-token prompt,
 weights falling with depth). A batch row's weights stop changing once its budgets are set.
+
+A layer may report its tokens' scores instead of a weight (`Policy.ranks_across_layers`, `report_scores`): its
+weight is then how many of its tokens are among the model's best, every layer's scores ranked together against the
+model's total budget, so the shares give each layer the tokens a model-wide ranking would keep there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ class LayerLedger:
     def __init__(self, layers: set[int]) -> None:
         self.layers = frozenset(layers)  # the layers that give a weight
         self.weights: dict[int, torch.Tensor] = {}  # layer -> [B] float, its policies' latest weight
+        # layer -> ([B, N] scores, -inf: no token; [B] tokens its budget keeps), for layers that rank across layers
+        self.scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def complete(self) -> bool:
@@ -31,8 +37,32 @@ class LayerLedger:
             weight = torch.where(rows.to(weight.device), weight, before)
         self.weights[layer] = weight
 
+    def report_scores(self, layer: int, scores: torch.Tensor, budget: torch.Tensor,
+                      rows: torch.Tensor | None = None) -> None:
+        """The layer's token scores [B, N] (-inf: not a token; +inf: pinned) and the tokens [B] its budget keeps: its
+        weight becomes the count of its tokens at or above the model-wide threshold, once every layer reported."""
+        self.scores[layer] = (scores.detach().float(), budget.detach().long())
+        ranked = self.layers <= self.scores.keys()
+        if ranked:
+            self._rank(rows)
+
+    def _rank(self, rows: torch.Tensor | None) -> None:
+        """Each layer's weight from the model-wide ranking: per row, the threshold is the k-th best score over every
+        layer (k: the layers' budgets summed), and a layer weighs the count of its scores at or above it."""
+        layers = sorted(self.scores)
+        device = self.scores[layers[0]][0].device
+        pooled = torch.cat([self.scores[layer][0].to(device) for layer in layers], dim=1)  # [B, sum N]
+        total = torch.stack([self.scores[layer][1].to(device) for layer in layers]).sum(dim=0)  # [B]
+        ranked = pooled.sort(dim=1, descending=True).values
+        index = (total - 1).clamp(min=0, max=ranked.shape[1] - 1)
+        threshold = ranked.gather(1, index[:, None])  # [B, 1]
+        for layer in layers:
+            count = (self.scores[layer][0].to(device) >= threshold).sum(dim=1).float().clamp(min=1e-3)
+            self.report(layer, count, rows)
+
     def forget(self, layer: int) -> None:
         self.weights.pop(layer, None)
+        self.scores.pop(layer, None)
 
     def share(self, layer: int) -> torch.Tensor | None:
         """[B]: the layer's weight over the mean weight of the layers, or None until every layer reported one."""

@@ -77,6 +77,8 @@ def run(model: Any, cache: Any, keyword: str) -> None:
                   position_ids=positions.to(device), use_cache=True, logits_to_keep=1, **{keyword: cache})
             for layer in layers:
                 layer.end_probe_pass()
+    for layer in layers:  # every layer's weight first, then every layer evicts: shares see the whole model
+        layer.weigh_probe()
     for layer in layers:
         layer.end_probe()
     probe.state = "done"

@@ -152,6 +152,11 @@ class Policy:
     #: True if ``layer_weight`` says how much of the model's budget this layer needs; ``view.layer_share`` then
     #: carries it, relative to the other layers, to ``allocate``.
     weighs_layers: ClassVar[bool] = False
+    #: True (with ``weighs_layers``) if a layer's share comes from ranking ``score`` over the whole model instead of
+    #: ``layer_weight``: the layer weighs the count of its tokens among the model's best, every layer's scores ranked
+    #: together against the model's total budget (`LayerLedger.report_scores`). The scores must compare across
+    #: layers (KVzip's are attention probabilities); pinned tokens score +inf.
+    ranks_across_layers: ClassVar[bool] = False
     #: Statistics read by ``observe_probe``. Not empty: the policy scores the prompt by a *probe*, extra tokens
     #: (``probe_chunks``) that the session runs through the model right after the prompt's forward pass, before
     #: anything is evicted (KVzip's context reconstruction). The probe's tokens then leave the cache as if never

@@ -10,6 +10,7 @@ from .full import Full
 from .h2o import H2O
 from .h2o_kvzip import H2OKVzip, H2OKVzipAda
 from .kvzip import KVzip, KVzipAda
+from .kvzip_global import KVzipGlobal
 from .lazy import Lazy
 from .roco import RoCo
 from .scissorhands import Scissorhands
@@ -21,4 +22,5 @@ from .window import Window
 
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
-    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy, D2O, KVzip, KVzipAda, H2OKVzip, H2OKVzipAda]
+    return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy, D2O, KVzip, KVzipAda, KVzipGlobal,
+            H2OKVzip, H2OKVzipAda]
