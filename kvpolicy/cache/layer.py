@@ -244,7 +244,9 @@ class PolicyLayer:
                 call_policy(group.policy, "profile", group.policy.profile, self.group_state(group), stats, view)
             self.profiled = True
         self.observe(stats)
-        if self.ledger is not None and self.weighs_tokens_seen and self.budgets.allocation_pending():
+        # a layer awaiting its probe weighs itself once the probe is over (`weigh_probe`), not from the prompt alone
+        if (self.ledger is not None and self.weighs_tokens_seen and not self.awaits_probe
+                and self.budgets.allocation_pending()):
             self._report_weight()
         self.pending = None
         self.store.end_pass()

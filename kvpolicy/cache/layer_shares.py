@@ -22,8 +22,10 @@ class LayerLedger:
     def __init__(self, layers: set[int]) -> None:
         self.layers = frozenset(layers)  # the layers that give a weight
         self.weights: dict[int, torch.Tensor] = {}  # layer -> [B] float, its policies' latest weight
-        # layer -> ([B, N] scores, -inf: no token; [B] tokens its budget keeps), for layers that rank across layers
-        self.scores: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # layer -> ([B, N] scores, -inf: no token; [B] tokens its budget keeps; [B] rows it reports for), for layers
+        # that rank across layers; ranked when a share is next asked, once every layer has reported
+        self.scores: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.unranked = False
 
     @property
     def complete(self) -> bool:
@@ -39,14 +41,13 @@ class LayerLedger:
 
     def report_scores(self, layer: int, scores: torch.Tensor, budget: torch.Tensor,
                       rows: torch.Tensor | None = None) -> None:
-        """The layer's token scores [B, N] (-inf: not a token; +inf: pinned) and the tokens [B] its budget keeps: its
-        weight becomes the count of its tokens at or above the model-wide threshold, once every layer reported."""
-        self.scores[layer] = (scores.detach().float(), budget.detach().long())
-        ranked = self.layers <= self.scores.keys()
-        if ranked:
-            self._rank(rows)
+        """The layer's token scores [B, N] (-inf: not a token; +inf: pinned) and the tokens [B] its budget keeps, for
+        ``rows``: its weight becomes the count of its tokens at or above the model-wide threshold, once every layer
+        has reported (ranked when a share is next asked: layers report again and again before one is)."""
+        self.scores[layer] = (scores.detach().float(), budget.detach().long(), rows)
+        self.unranked = True
 
-    def _rank(self, rows: torch.Tensor | None) -> None:
+    def _rank(self) -> None:
         """Each layer's weight from the model-wide ranking: per row, the threshold is the k-th best score over every
         layer (k: the layers' budgets summed), and a layer weighs the count of its scores at or above it."""
         layers = sorted(self.scores)
@@ -57,8 +58,10 @@ class LayerLedger:
         index = (total - 1).clamp(min=0, max=ranked.shape[1] - 1)
         threshold = ranked.gather(1, index[:, None])  # [B, 1]
         for layer in layers:
-            count = (self.scores[layer][0].to(device) >= threshold).sum(dim=1).float().clamp(min=1e-3)
+            scores, _, rows = self.scores[layer]
+            count = (scores.to(device) >= threshold).sum(dim=1).float().clamp(min=1e-3)
             self.report(layer, count, rows)
+        self.unranked = False
 
     def forget(self, layer: int) -> None:
         self.weights.pop(layer, None)
@@ -66,6 +69,8 @@ class LayerLedger:
 
     def share(self, layer: int) -> torch.Tensor | None:
         """[B]: the layer's weight over the mean weight of the layers, or None until every layer reported one."""
+        if self.unranked and self.layers <= self.scores.keys():
+            self._rank()
         own = self.weights.get(layer)
         if own is None or not self.complete:
             return None

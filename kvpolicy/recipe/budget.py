@@ -72,10 +72,10 @@ class Budget:
     ratio: float | None = None
     slack: int = 0
     by_policy: bool = False
-    align: int = 0
     memory: float | None = None
     tiers: tuple[Tier, ...] = ()
     threshold: float | None = None  # keep only tokens scoring >= threshold x the mean, up to the amount
+    align: int = 0  # after the fields above, so that their positions stay as they were
     schedule: Schedule | None = None
     inherits: frozenset[str] = field(default=frozenset(), compare=False)
     source: str = field(default="budget", compare=False)

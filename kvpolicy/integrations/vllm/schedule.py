@@ -9,13 +9,15 @@ length. The blocks between the arena and the first one written since are then em
 the start of that step (the worker's compaction reads them in each layer before the step's tokens are written
 there); the worker, which is never told which blocks were freed, works out the same layout from the same rule.
 
-The rule is kvpolicy's own (`kvpolicy.cache.budgets.CellBudgets`): once a request holds more than ``budget + slack`` tokens it
-is cut back to ``budget``, and so is a request over budget whose step starts in a later block than its last eviction
-did (``align``, the block size: `Budget.align`), so that what arrives between two evictions lies in one block; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
+The rule is kvpolicy's own (`kvpolicy.cache.budgets.CellBudgets`): once a request holds more than ``budget + slack``
+tokens it is cut back to ``budget``, and so is a request over budget whose step starts in a later block than its last
+eviction did (``align``, the block size: `Budget.align`), so that what arrives between two evictions lies in one
+block; a ratio budget resolves from the prompt's length, known once the prompt is in, or, with
 ``evict_during_prefill``, as soon as the request arrives (vLLM knows its prompt's length), so that a long prompt
-evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the
-step's new tokens), which is where kvpolicy's transformers path stands after a forward pass. Both sides see the same step starts: the tokens a request had processed each time it was
-scheduled (vLLM's ``num_computed_tokens``), and whether its prompt was still coming in.
+evicts between the chunks of a chunked prefill as a token budget does. It is decided at step starts (before the step's
+new tokens), which is where kvpolicy's transformers path stands after a forward pass. Both sides see the same step
+starts: the tokens a request had processed each time it was scheduled (vLLM's ``num_computed_tokens``), and whether
+its prompt was still coming in.
 """
 
 from __future__ import annotations
