@@ -241,7 +241,8 @@ def test_question_after_compression_full_answers_alike_and_kvzip_keeps_the_needl
     """`compare --question after` on the real model: with the full cache a question asked after the context gets the
     answer it gets inside the prompt (passkey at 2 depths, RULER's single needle); KVzip's head-wise recipe, scoring
     the context before the question exists, finds the single needle where H2O does not (measured 10/10 and 1/10 at
-    1K tokens), holds 20% of the context per layer (heads apart) plus the question, and frees the rest."""
+    1K tokens), holds 20% of the context per layer (heads apart) plus the question, and frees the rest; kvzip-global
+    holds 20% of the context over the whole model, layers apart."""
     from kvpolicy.recipe.budget import Budget
     from kvpolicy.tasks import TASKS
     from kvpolicy.tasks.base import Context, Row, greedy_continuations
@@ -283,4 +284,16 @@ def test_question_after_compression_full_answers_alike_and_kvzip_keeps_the_needl
     counts = torch.stack([layer.valid.sum(dim=2)[0] for layer in cache.layers])  # [layers, heads]
     assert torch.equal(counts.sum(dim=1), torch.full((30,), 3 * (budget + question)))
     assert any(len(set(row.tolist())) > 1 for row in counts)
+    assert cache.memory_report().live_kv_bytes == int(counts.sum()) * 2 * 64 * 4
+    # kvzip-global: the model's 30 x 3 x budget go to its best tokens, so layers hold different totals, the model's
+    # the recipe's (each layer's share rounds to a whole token), and what is freed is freed
+    session = kvpolicy.attach(model, "kvzip-global", tokenizer=tokenizer)
+    cache = session.new_cache()
+    with torch.inference_mode():
+        prefill(after, torch.tensor([sample.input_ids]), cache, end)
+    session.detach()
+    counts = torch.stack([layer.valid.sum(dim=2)[0] for layer in cache.layers])
+    context = counts.sum(dim=1) - 3 * question  # each layer's kept context tokens
+    assert len(set(context.tolist())) > 5, context
+    assert abs(int(context.sum()) - 30 * 3 * budget) <= 30, (int(context.sum()), 30 * 3 * budget)
     assert cache.memory_report().live_kv_bytes == int(counts.sum()) * 2 * 64 * 4
