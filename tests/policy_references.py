@@ -654,3 +654,83 @@ class BruteForceH2OKVzip(BruteForceKVzip):
             if len(kept) > budget:
                 kept.intersection_update(sorted(kept, key=lambda j: (j in recent, self.worth(layer, b, h, j)),
                                                 reverse=True)[:budget])
+
+
+def rope_matrix(position: int, dim: int, theta: float) -> list[list[float]]:
+    """RoPE's rotation at ``position`` as an explicit dim x dim matrix (rotate-half layout: pair i with i + dim/2)."""
+    half = dim // 2
+    matrix = [[0.0] * dim for _ in range(dim)]
+    for i in range(half):
+        angle = position * theta ** (-2 * i / dim)
+        c, s = math.cos(angle), math.sin(angle)
+        matrix[i][i], matrix[i][i + half] = c, -s
+        matrix[i + half][i], matrix[i + half][i + half] = s, c
+    return matrix
+
+
+def apply(matrix, vector) -> list[float]:
+    return [sum(m * v for m, v in zip(row, vector, strict=True)) for row in matrix]
+
+
+class BruteForceExpectedAttention(BruteForce):
+    """Devoto et al.: every query of every call kept as Python floats (times the scaling), its RoPE undone by the
+    transposed rotation matrix of its position; a query head's mean and covariance over the queries at positions
+    >= ``sinks`` (older ones weighing ``decay`` per query counted since); the rotation averaged over the next
+    ``future`` positions as an explicit matrix R; a token's expected attention exp(k . R m + k^T R S R^T k / 2),
+    normalized over the head's kept tokens but the sinks, averaged over its query heads, times its value norm. The first ``sinks``
+    tokens and the newest ``recent_ratio`` x budget are pinned."""
+
+    name = "expected_attention_bruteforce"
+
+    def __init__(self, budget, sinks, future, theta, covariance=True, recent_ratio=0.0, decay=1.0):
+        super().__init__(budget)
+        self.sinks, self.future, self.theta, self.covariance = sinks, future, theta, covariance
+        self.recent, self.decay = round(budget * recent_ratio), decay
+        self.queries: dict[tuple[int, int, int], list[tuple[float, list[float]]]] = {}  # (layer, b, q head)
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, **kwargs):
+        layer, (batch, q_heads, queries, dim) = module.layer_idx, query.shape
+        scaling = scaling or dim**-0.5
+        total = key.shape[2]
+        real = torch.ones(batch, total, dtype=torch.bool) if attention_mask is None else attention_mask.bool()[:, -total:]
+        position = (torch.cumsum(real.long(), dim=1) - 1).tolist()
+        for b in range(batch):
+            counted = [i for i in range(total - queries, total) if real[b, i] and position[b][i] >= self.sinks]
+            for qh in range(q_heads):
+                seen = [(w * self.decay ** len(counted), q) for w, q in self.queries.get((layer, b, qh), [])]
+                for i in counted:
+                    back = [list(col) for col in zip(*rope_matrix(position[b][i], dim, self.theta), strict=True)]
+                    vector = [float(x) * scaling for x in query[b, qh, i - (total - queries)]]
+                    seen.append((1.0, apply(back, vector)))
+                self.queries[(layer, b, qh)] = seen
+        self.dim, self.group = dim, q_heads // key.shape[1]
+        return super().attention(module, query, key, value, attention_mask, scaling, **kwargs)
+
+    def rule(self, layer, b, calls):
+        dim, group = self.dim, self.group
+        ahead = [rope_matrix(t, dim, self.theta) for t in range(self.seen, self.seen + self.future)]
+        turn = [[sum(m[r][c] for m in ahead) / self.future for c in range(dim)] for r in range(dim)]
+        for h in calls:
+            kept = self.kept[(layer, b, h)]
+            expected = {j: 0.0 for j in kept}
+            for g in range(group):
+                queries = self.queries.get((layer, b, h * group + g), [])
+                weight = max(sum(w for w, _ in queries), 1.0)
+                mean = [sum(w * q[d] for w, q in queries) / weight for d in range(dim)]
+                cov = [[sum(w * q[r] * q[c] for w, q in queries) / weight - mean[r] * mean[c] for c in range(dim)]
+                       for r in range(dim)]
+                center = apply(turn, mean)
+                spread = [apply(turn, row) for row in zip(*[apply(turn, row) for row in cov], strict=True)]
+                logits = {}
+                for j in (j for j in kept if self.position[b][j] >= self.sinks):
+                    k = [float(x) for x in self.key[b, h, j]]
+                    logits[j] = sum(a * c for a, c in zip(k, center, strict=True))
+                    if self.covariance:
+                        logits[j] += 0.5 * sum(a * s for a, s in zip(k, apply(spread, k), strict=True))
+                top = max(logits.values())
+                norm = sum(math.exp(x - top) for x in logits.values())
+                for j in logits:
+                    expected[j] += math.exp(logits[j] - top) / norm / group
+            worth = {j: expected[j] * float(self.value[b, h, j].norm()) for j in kept}
+            recent = set(sorted(kept, reverse=True)[: self.recent])
+            self.keep_best(layer, b, h, key=lambda j: (self.position[b][j] < self.sinks or j in recent, worth[j]))

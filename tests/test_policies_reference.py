@@ -13,6 +13,7 @@ from helpers import run_against_reference, uniform_plan
 from policy_references import (
     BruteForceAdaKV,
     BruteForceD2O,
+    BruteForceExpectedAttention,
     BruteForceFastGen,
     BruteForceH2OKVzip,
     BruteForceKVzip,
@@ -24,7 +25,8 @@ from policy_references import (
 )
 from tiny_models import padded_batch, tiny_model
 
-from kvpolicy.hf.session import model_shape
+from kvpolicy.errors import KVPolicyError
+from kvpolicy.hf.session import attach, model_shape
 from kvpolicy.recipe.budget import Budget
 from kvpolicy.recipe.plan import HeadPlan, LayerPlan, Plan
 from kvpolicy.registry import get_registry
@@ -239,3 +241,35 @@ def test_h2o_kvzip_matches_bruteforce(policy, arch):
     else:
         assert all(count == 8 for row in counts for count in row)
     assert any(row[0] != row[1] for step in steps for layer in range(3) for row in step[layer]) or arch == "opt"
+
+
+EA_CASES = {
+    # 2 sinks pinned and their queries left out; the rotation averaged over the next 8 positions
+    "plain": ({"sinks": 2, "future_positions": 8}, {"sinks": 2, "future": 8}),
+    # the mean query alone, a recent window, older queries fading, one far horizon
+    "mean-recent-decay": ({"sinks": 1, "future_positions": 64, "covariance": False, "recent_ratio": 0.3, "decay": 0.9},
+                          {"sinks": 1, "future": 64, "covariance": False, "recent_ratio": 0.3, "decay": 0.9}),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("case", list(EA_CASES))
+def test_expected_attention_matches_bruteforce(case, arch):
+    params, reference_args = EA_CASES[case]
+    model = tiny_model(arch)
+    config = model.config
+    theta = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
+    reference = BruteForceExpectedAttention(7, theta=theta, **reference_args)
+    ids, mask = padded_batch(lengths=(17, 12, 9))
+    steps = run_against_reference(model, reference, uniform_plan(model, "expected-attention", Budget(tokens=7),
+                                                                 **params), ids, mask, STEPS)
+    assert all(len(head) == 7 for head in steps[0][0][0])  # the longest prompt was compressed
+    layers = range(config.num_hidden_layers)
+    # the heads of a layer keep different tokens, beyond the pinned ones
+    assert any(row[0] != row[1] for step in steps for layer in layers for row in step[layer])
+
+
+def test_expected_attention_on_a_model_without_rope_is_refused():
+    model = tiny_model("opt")
+    with pytest.raises(KVPolicyError, match="expected attention.*RoPE model"):
+        attach(model, uniform_plan(model, "expected-attention", Budget(tokens=7))).new_cache()

@@ -422,7 +422,7 @@ def test_missing_file(tmp_path):
 
 
 def test_unknown_builtin_name():
-    with pytest.raises(RecipeError, match=r'did you mean "h2o".*Built-in recipes: adakv, d2o, d2o-merge, fastgen, fastgen-smollm2, full, h2o'):
+    with pytest.raises(RecipeError, match=r'did you mean "h2o".*Built-in recipes: adakv, d2o, d2o-merge, expected-attention, fastgen, fastgen-smollm2, full, h2o'):
         load_recipe("h2")
 
 

@@ -35,7 +35,7 @@ def plugin(*policies) -> types.ModuleType:
 def test_builtins_register_through_the_hook():
     registry = Registry(load_entry_points=False)
     assert registry.names() == [
-        "adakv", "d2o", "fastgen", "full", "h2o", "h2o-kvzip", "h2o-kvzip-ada", "kvzip", "kvzip-ada", "kvzip-global", "lazy", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
+        "adakv", "d2o", "expected-attention", "fastgen", "full", "h2o", "h2o-kvzip", "h2o-kvzip-ada", "kvzip", "kvzip-ada", "kvzip-global", "lazy", "roco", "scissorhands", "snapkv", "streaming", "tova", "window"
     ]
     assert {entry.source for entry in registry.policies.values()} == {"built-in"}
     assert registry.get("h2o").needs == frozenset({"colsum"})
@@ -62,7 +62,7 @@ def test_broken_plugin_is_reported_and_others_still_work(bad, reason):
     registry._add_plugin(plugin(bad), "broken", "plugin broken 0.1")
     assert reason in registry.broken["broken"]
     assert registry.get("h2o")
-    with pytest.raises(KVPolicyError, match="Available: adakv, d2o, fastgen, full, h2o, h2o-kvzip, h2o-kvzip-ada, kvzip, kvzip-ada, kvzip-global, lazy, roco, scissorhands, snapkv, streaming, tova, window"):
+    with pytest.raises(KVPolicyError, match="Available: adakv, d2o, expected-attention, fastgen, full, h2o, h2o-kvzip, h2o-kvzip-ada, kvzip, kvzip-ada, kvzip-global, lazy, roco, scissorhands, snapkv, streaming, tova, window"):
         registry.get("needy")
 
 
@@ -75,16 +75,24 @@ def test_policy_scores_have_the_view_shape():
     view_positions = torch.arange(6).expand(2, 3, 6)
     from tiny_models import char_tokenizer
 
-    from kvpolicy.policies.base import TokenView
+    from kvpolicy.policies.base import CellArray, TokenView
 
+    sizes = {"groups": 2, "head_dim": 8}  # 2 query heads per KV head, head_dim 8
     view = TokenView(view_positions, torch.ones(2, 3, 6, dtype=torch.bool), torch.tensor([6, 6]), torch.full((2, 3), 4),
-                     token_ids=torch.arange(6, dtype=torch.int32).expand(2, 3, 6))
+                     token_ids=torch.arange(6, dtype=torch.int32).expand(2, 3, 6), keys=torch.randn(2, 3, 6, 8),
+                     values=torch.randn(2, 3, 6, 8), inv_freq=1e-4 ** (torch.arange(4) / 4))
+
+    def cell(kind):
+        if isinstance(kind, CellArray):
+            return torch.zeros(2, 3, *(sizes[dim] for dim in kind.dims), dtype=kind.dtype)
+        return torch.zeros(2, 3, dtype=kind)
+
     for name in Registry(load_entry_points=False).names():
         policy = Registry(load_entry_points=False).get(name)()
         policy.prepare(tokenizer=char_tokenizer())
         state = {key: torch.zeros(2, 3, 6, dtype=dtype) for key, dtype in policy.state.items()}
-        state |= {key: torch.zeros(2, 3, dtype=dtype) for key, dtype in policy.cell_state.items()}
-        assert policy.score(state, view).shape == (2, 3, 6)
+        state |= {key: cell(kind) for key, kind in policy.cell_state.items()}
+        assert policy.score(state, view).shape == (2, 3, 6), name
 
 
 @pytest.mark.parametrize(

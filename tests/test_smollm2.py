@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import kvpolicy
+from kvpolicy.hf.cache import cache_keyword
 
 pytestmark = pytest.mark.slow
 
@@ -297,3 +298,61 @@ def test_question_after_compression_full_answers_alike_and_kvzip_keeps_the_needl
     assert len(set(context.tolist())) > 5, context
     assert abs(int(context.sum()) - 30 * 3 * budget) <= 30, (int(context.sum()), 30 * 3 * budget)
     assert cache.memory_report().live_kv_bytes == int(counts.sum()) * 2 * 64 * 4
+
+
+def test_expected_attention_models_the_real_queries_holds_its_budget_and_frees_the_rest(smollm2):
+    """expected-attention on SmolLM2 (RoPE theta and head layout of a real checkpoint): the query moments it keeps
+    after the prompt are the moments of the model's own pre-RoPE queries (read from q_proj, the first 4 positions
+    left out), every layer and head holds 20% of the prompt, the tokens kvpress's formula keeps, the live bytes
+    follow, and the text stays right."""
+    model, tokenizer = smollm2
+    inputs = days_prompt(tokenizer)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    layer_index, captured = 7, []
+    attention = model.model.layers[layer_index].self_attn
+    handle = attention.q_proj.register_forward_hook(lambda module, args, out: captured.append(out.detach()))
+    with torch.inference_mode():
+        full = model(**inputs, use_cache=True).past_key_values.layers[layer_index]  # no eviction: every token's K/V
+    session = kvpolicy.attach(model, "expected-attention")
+    cache = session.new_cache()
+    try:
+        with torch.inference_mode():
+            model(**inputs, **{cache_keyword(model): cache}, use_cache=True)
+    finally:
+        handle.remove()
+    queries = captured[0][0, 4:].float().view(prompt_tokens - 4, 9, 64) * attention.scaling  # [T, query heads, D]
+    layer = cache.layers[layer_index]
+    state = layer.group_state(layer.policies.groups[0])
+    assert torch.equal(state["count"], torch.full((1, 3), float(prompt_tokens - 4)))
+    torch.testing.assert_close(state["total"][0], queries.sum(dim=0).view(3, 3, 64), rtol=1e-4, atol=1e-3)
+    outer = torch.einsum("tqd,tqe->qde", queries, queries).view(3, 3, 64, 64)
+    torch.testing.assert_close(state["outer"][0], outer, rtol=1e-4, atol=1e-2)
+    budget = math.ceil(0.2 * prompt_tokens)
+    counts = torch.stack([layer.valid.sum(dim=2)[0] for layer in cache.layers])
+    assert torch.equal(counts, torch.full((30, 3), budget))
+    assert cache.memory_report().live_kv_bytes == budget * 30 * 3 * 2 * 64 * 4
+    # the kept tokens are the ones kvpress's formula keeps, computed here from the model's own full cache with explicit
+    # rotation matrices: the sinks out of the mean, the covariance and the softmax; the mean over a KV head's queries
+    keys, values = full.keys[0, :, 4:].float(), full.values[0, :, 4:].float()  # [3, T - 4, 64]
+    heads = queries.transpose(0, 1)  # [9, T - 4, 64]
+    mean = heads.mean(dim=1)
+    centered = heads - mean[:, None]
+    covariance = torch.einsum("htd,hte->hde", centered, centered) / (prompt_tokens - 4)
+    cos, sin = model.model.rotary_emb(mean[None], torch.arange(prompt_tokens, prompt_tokens + 512)[None])
+    swap = torch.zeros(64, 64)
+    swap[32:, :32], swap[:32, 32:] = torch.eye(32), -torch.eye(32)
+    rotation = (cos[0, :, :, None] * torch.eye(64) + sin[0, :, :, None] * swap).mean(dim=0)
+    mean, covariance = mean @ rotation.T, rotation @ covariance @ rotation.T
+    per_query = keys.repeat_interleave(3, dim=0)
+    logits = torch.einsum("hd,htd->ht", mean, per_query) + 0.5 * torch.einsum("htd,hde,hte->ht", per_query, covariance,
+                                                                             per_query)
+    worth = torch.softmax(logits, dim=-1).view(3, 3, -1).mean(dim=1) * values.norm(dim=-1)
+    reference = torch.cat([torch.arange(4).expand(3, 4), 4 + worth.topk(budget - 4, dim=-1).indices], dim=1)
+    for head in range(3):
+        held = layer.positions[0, head][layer.valid[0, head]]
+        assert set(held.tolist()) == set(reference[head].tolist()), head
+    with torch.inference_mode():
+        output = session.generate(**inputs, max_new_tokens=24, do_sample=False)
+    session.detach()
+    text = tokenizer.decode(output[0, prompt_tokens:])
+    assert "Thursday" in text and "Friday" in text, text

@@ -41,6 +41,10 @@ class AttentionCall:
     #: paths that need them (prefill, plain attention)
     regions: list[KVRegion] | None = None
     decode_kv: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    #: with "query_moments" in ``needs``: the model's RoPE inverse frequencies, and the positions below which a
+    #: row's queries stay out of the moments
+    inv_freq: torch.Tensor | None = None
+    moments_skip: int = 0
 
     def decoded(self) -> AttentionCall:
         """This call with its keys and values decoded to the compute dtype (a transient copy: workspace)."""

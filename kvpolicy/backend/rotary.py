@@ -19,11 +19,13 @@ def find_inv_freq(model: torch.nn.Module, head_dim: int) -> torch.Tensor:
         if isinstance(inv_freq, torch.Tensor):
             if inv_freq.numel() * 2 != head_dim:
                 raise KVPolicyError(
-                    "in-cache positions need RoPE over the whole head (rotate-half layout); this model rotates "
-                    f"{inv_freq.numel() * 2} of {head_dim} dims. Use positions: original"
+                    "in-cache positions and query moments (expected attention) need RoPE over the whole head "
+                    f"(rotate-half layout); this model rotates {inv_freq.numel() * 2} of {head_dim} dims. Use "
+                    "positions: original, or a policy that reads attention (h2o, tova, snapkv)"
                 )
             return inv_freq.detach().float()
-    raise KVPolicyError("in-cache positions need a RoPE model (no `inv_freq` found); use positions: original")
+    raise KVPolicyError("in-cache positions and query moments (expected attention) need a RoPE model (no `inv_freq` "
+                        "found); use positions: original, or a policy that reads attention (h2o, tova, snapkv)")
 
 
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

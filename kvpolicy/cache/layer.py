@@ -23,7 +23,7 @@ import torch
 from ..backend.call import AttentionCall
 from ..backend.rotary import in_cache_deltas, rotate
 from ..errors import KVPolicyError
-from ..policies.base import AttentionStats, TokenView
+from ..policies.base import AttentionStats, CellArray, TokenView
 from ..recipe.plan import LayerPlan
 from ..storage.base import KVStore, storage_bytes
 from ..storage.dense import DenseStore
@@ -47,10 +47,12 @@ class TokenFeed:
 class PolicyLayer:
     def __init__(self, layer_idx: int, rows: list[LayerPlan], policies: LayerPolicies,
                  prompt_tokens: int | None = None, backend: str = "torch", inv_freq: torch.Tensor | None = None,
-                 ledger: LayerLedger | None = None):
+                 ledger: LayerLedger | None = None, query_groups: int | None = None):
         """``rows``: the layer's plan for every batch row (one `LayerPlan` shared by all rows, or one per row);
         ``policies``: the layer's policies over those cells (`LayerPolicies.of_rows`); ``ledger``: shared by the
-        layers of one cache when a policy weighs layers (`Policy.weighs_layers`)."""
+        layers of one cache when a policy weighs layers (`Policy.weighs_layers`); ``inv_freq``: the model's RoPE
+        inverse frequencies, for in-cache positions and query moments; ``query_groups``: query heads per KV head,
+        for a policy whose per-cell state has a ``"groups"`` dimension (`CellArray`)."""
         self.layer_idx, self.policies, self.backend = layer_idx, policies, backend
         groups = policies.groups
         instances = [g.policy for g in groups]
@@ -78,7 +80,13 @@ class PolicyLayer:
         self.in_cache_cells = torch.stack(in_cache).any(dim=0) if in_cache else None
         if self.in_cache_cells is not None and inv_freq is None:
             raise KVPolicyError("in-cache positions need the model's RoPE inverse frequencies (inv_freq)")
-        self.inv_freq = inv_freq
+        moment_readers = [p for p in instances if "query_moments" in p.needs]
+        if moment_readers and inv_freq is None:
+            raise KVPolicyError(f"policy {moment_readers[0].name!r} models the queries to come from the queries seen, "
+                                "which needs a RoPE model (its inverse frequencies, inv_freq); this model has none")
+        self.moments_skip = max((p.query_moments_skip for p in moment_readers), default=0)
+        self.reads_kv = any(p.reads_kv for p in instances)
+        self.inv_freq, self.query_groups = inv_freq, query_groups
         self.budgets = CellBudgets(rows, groups, prompt_tokens)
         self.kernel_reads_tiers = False  # set when a tiered store is made (`_initialize`)
         if self.budgets.tiers:
@@ -155,8 +163,8 @@ class PolicyLayer:
         if self.token_id_policies:
             token_state["token_ids"] = torch.int32
         self.cell_state = {
-            f"{g.prefix}{name}": torch.zeros((batch, heads), dtype=dtype, device=device)
-            for g in self.policies.groups for name, dtype in g.policy.cell_state.items()
+            f"{g.prefix}{name}": self._cell_tensor(g.policy.name, kind, batch, heads, keys.shape[-1], device)
+            for g in self.policies.groups for name, kind in g.policy.cell_state.items()
         }
         tiers = self.budgets.tiers
         if tiers:
@@ -167,6 +175,21 @@ class PolicyLayer:
         else:
             self.store = DenseStore(keys, values, token_state, self.budgets)
         self.tokens_seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
+
+    def _cell_tensor(self, policy: str, kind: torch.dtype | CellArray, batch: int, heads: int, head_dim: int,
+                     device: torch.device) -> torch.Tensor:
+        """One per-cell state entry, zeros: ``[batch, heads]``, or with a `CellArray`'s trailing dimensions."""
+        if not isinstance(kind, CellArray):
+            return torch.zeros((batch, heads), dtype=kind, device=device)
+        sizes = {"groups": self.query_groups, "head_dim": head_dim}
+        unknown = [d for d in kind.dims if d not in sizes]
+        if unknown:
+            raise KVPolicyError(f"policy {policy!r} asks for per-cell state over {unknown[0]!r}; the dimensions a "
+                                "CellArray may name are 'groups' and 'head_dim'")
+        if "groups" in kind.dims and self.query_groups is None:
+            raise KVPolicyError(f"policy {policy!r} keeps state per query head, but this engine did not say how many "
+                                "query heads each KV head has (PolicyLayer's query_groups)")
+        return torch.zeros((batch, heads, *(sizes[d] for d in kind.dims)), dtype=kind.dtype, device=device)
 
     def _append_token_ids(self, start: int, count: int) -> None:
         ids = self.token_feed.ids if self.token_feed is not None else None
@@ -226,6 +249,7 @@ class PolicyLayer:
             near_band=near_band, query_rotation=query_rotation,
             regions=self.store.kernel_regions() if self.kernel_reads_tiers else None,
             decode_kv=self.store.attention_kv if self.kernel_reads_tiers else None,
+            inv_freq=self.inv_freq if "query_moments" in needs else None, moments_skip=self.moments_skip,
         )
 
     def end_call(self, stats: AttentionStats | None) -> None:
@@ -314,10 +338,12 @@ class PolicyLayer:
 
     def token_view(self) -> TokenView:
         ids, used = self.store.slots.token_state.get("token_ids"), self.used
+        keys, values = self.store.slot_kv() if self.reads_kv else (None, None)
         return TokenView(
             positions=self.positions[:, :, :used], valid=self.valid[:, :, :used], seen=self.tokens_seen,
             budget=self.budgets.view_limits, token_ids=ids[:, :, :used] if ids is not None else None,
             layer_share=self.ledger.share(self.layer_idx) if self.ledger is not None else None,
+            keys=keys, values=values, inv_freq=self.inv_freq,
         )
 
     # --- eviction ---------------------------------------------------------------------------------------

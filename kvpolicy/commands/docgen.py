@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import hookspecs
-from ..policies.base import STAT_NAMES, AttentionStats, Policy
+from ..policies.base import STAT_FIELDS, STAT_NAMES, AttentionStats, CellArray, Policy
 from ..recipe.budget import Schedule
 from ..recipe.schema import BUDGET, REQUIRED, RULES, SCHEDULE_DOCS, SCHEMA_VERSION, TIER, TOP_LEVEL, Key
 from ..registry import Registry
@@ -205,7 +205,12 @@ def _needs_text(cls: type[Policy]) -> str:
 def policy_block(cls: type[Policy]) -> str:
     """What the code says about one policy: description, statistics, state, budget, parameters."""
     def dtypes(state: dict) -> str:
-        return ", ".join(f"`{name}` ({str(dtype).replace('torch.', '')})" for name, dtype in state.items())
+        def kind(entry: Any) -> str:
+            if isinstance(entry, CellArray):
+                return f"{str(entry.dtype).replace('torch.', '')} x [{', '.join(entry.dims)}]"
+            return str(entry).replace("torch.", "")
+
+        return ", ".join(f"`{name}` ({kind(entry)})" for name, entry in state.items())
 
     state = dtypes(cls.state)
     if cls.needs_token_ids:
@@ -264,6 +269,11 @@ def statistics_block(registry: Registry) -> str:
         users = ", ".join(f"`{n}`" for n in registry.names()
                           if field.name in registry.get(n).needs | registry.get(n).profile_needs) or "-"
         rows.append(f"| `{field.name}` | `{comments.get(field.name, '')}` | {users} |")
+    # a statistic returned as several fields (the query moments: count, sum, outer products)
+    for stat, parts in STAT_FIELDS.items():
+        shape = ", ".join(f"`{name}` `{comments.get(name, '').split(' (')[0]}`" for name in parts)
+        users = ", ".join(f"`{n}`" for n in registry.names() if stat in registry.get(n).needs) or "-"
+        rows.append(f"| `{stat}` | {shape} | {users} |")
     return "\n".join(rows)
 
 

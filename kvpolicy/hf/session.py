@@ -85,13 +85,22 @@ class Session:
         ledger = LayerLedger(weighing) if weighing else None
         layers = []
         for index, (rows, policies) in enumerate(zip(layer_rows, layer_policies, strict=True)):
-            inv_freq = self._inv_freq() if any(g.policy.in_cache_positions for g in policies.groups) else None
-            layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger))
+            rotary = any(g.policy.in_cache_positions or "query_moments" in g.policy.needs for g in policies.groups)
+            inv_freq = self._inv_freq() if rotary else None
+            layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger,
+                                     query_groups=self._query_groups()))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
         if self.last_cache.token_feed is not None or self.last_cache.probe is not None:
             _install_hooks(self.model)
         return self.last_cache
+
+    def _query_groups(self) -> int | None:
+        """Query heads per KV head, from the model's config (None where it does not say)."""
+        config = self.model.config.get_text_config()
+        q_heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+        return q_heads // kv_heads if isinstance(q_heads, int) and isinstance(kv_heads, int) and kv_heads else None
 
     def _inv_freq(self) -> torch.Tensor:
         if "inv_freq" not in self.__dict__:

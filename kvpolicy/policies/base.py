@@ -17,7 +17,9 @@ import torch
 
 #: The statistics the shared attention backend can return (docs/architecture.md, "Attention statistics").
 STAT_NAMES = frozenset({"colsum", "colsum_sq", "below_uniform", "last_rows", "colsum_heads", "near_colsum_heads",
-                        "colmax"})
+                        "colmax", "query_moments"})
+#: Statistics returned as several `AttentionStats` fields (each other statistic is the field of its name).
+STAT_FIELDS = {"query_moments": ("query_count", "query_sum", "query_outer")}
 
 
 @dataclass
@@ -38,6 +40,12 @@ class AttentionStats:
 
     ``colmax`` is the most attention any real query of the call, in any of the G query heads
     of a KV head, gave each slot (KVzip's score, read by a probe).
+
+    ``query_moments`` is not about attention but about the queries themselves, times the
+    call's scaling and without their rotary rotation (as if at position 0): ``query_count`` [B]
+    of them were summed (the real queries at positions >= the policy's ``query_moments_skip``),
+    ``query_sum`` their sum and ``query_outer`` the sum of their outer products, per query head
+    (expected attention's query distribution).
     """
 
     queries: torch.Tensor  # [B] int64
@@ -48,6 +56,18 @@ class AttentionStats:
     colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
     near_colsum_heads: torch.Tensor | None = None  # [B, Hkv, G, T]
     colmax: torch.Tensor | None = None  # [B, Hkv, T]
+    query_count: torch.Tensor | None = None  # [B] float32 (with query_moments)
+    query_sum: torch.Tensor | None = None  # [B, Hkv, G, D]
+    query_outer: torch.Tensor | None = None  # [B, Hkv, G, D, D]
+
+
+@dataclass(frozen=True)
+class CellArray:
+    """A per-cell state entry with trailing dimensions (`Policy.cell_state`): ``dims`` name them, each ``"groups"``
+    (the query heads per KV head) or ``"head_dim"``; the cache stores it as ``[batch, kv_heads, *dims]``."""
+
+    dtype: torch.dtype
+    dims: tuple[str, ...]
 
 
 @dataclass
@@ -70,6 +90,12 @@ class TokenView:
     #: [B] float, for policies that weigh layers (`weighs_layers`): this layer's `layer_weight` over the mean weight of
     #: the model's layers that gave one so far (1.0 for a layer alone); None for every other policy
     layer_share: torch.Tensor | None = None
+    #: [B, Hkv, T, D] each, the cached keys (after RoPE, at their original positions) and values, for policies that
+    #: read them (`reads_kv`); None for every other policy
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    #: [D / 2] float, the model's RoPE inverse frequencies, for policies that read `query_moments`; else None
+    inv_freq: torch.Tensor | None = None
 
     def recent_mask(self, count: torch.Tensor) -> torch.Tensor:
         """Slots holding one of the ``count`` (per row/head, [B, Hkv]) most recent real tokens."""
@@ -142,8 +168,14 @@ class Policy:
     #: (the session records each forward pass's ``input_ids``). Policies that leave it False pay nothing for it.
     needs_token_ids: bool = False
     #: Per-cell state: name -> dtype, stored by the cache as ``[batch, kv_heads]`` tensors (not per token; they do
-    #: not move on compaction), passed in the same ``state`` dict; they start at 0.
-    cell_state: ClassVar[dict[str, torch.dtype]] = {}
+    #: not move on compaction), passed in the same ``state`` dict; they start at 0. A `CellArray` instead of a dtype
+    #: adds trailing dimensions (``[batch, kv_heads, groups, head_dim]``, ...).
+    cell_state: ClassVar[dict[str, torch.dtype | CellArray]] = {}
+    #: True if ``score`` reads the cached keys and values (``view.keys``, ``view.values``).
+    reads_kv: ClassVar[bool] = False
+    #: With "query_moments" in ``needs``: queries at the first this-many positions of a row stay out of the moments
+    #: (attention sinks' outlier queries).
+    query_moments_skip: int = 0
     #: True if the cache re-rotates this policy's keys (and queries) to their index within the cache at every
     #: call (StreamingLLM's in-cache positions) instead of keeping their original RoPE positions.
     in_cache_positions: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from .adakv import AdaKV
 from .d2o import D2O
+from .expected_attention import ExpectedAttention
 from .fastgen import FastGen
 from .full import Full
 from .h2o import H2O
@@ -23,4 +24,4 @@ from .window import Window
 @hookimpl
 def kvpolicy_register_policies() -> list[type]:
     return [Full, Window, Streaming, H2O, Scissorhands, RoCo, TOVA, SnapKV, AdaKV, FastGen, Lazy, D2O, KVzip, KVzipAda, KVzipGlobal,
-            H2OKVzip, H2OKVzipAda]
+            H2OKVzip, H2OKVzipAda, ExpectedAttention]

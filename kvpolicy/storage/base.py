@@ -136,6 +136,14 @@ class KVStore(ABC):
         slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
         return self.flat_kv()[0][self.slot_rows(slots)]
 
+    def slot_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the slots in use, [B, Hkv, used, D] each, between passes, for a policy that reads them
+        (`Policy.reads_kv`): copies where the format is not dense (ragged rows gathered, tiers decoded)."""
+        slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
+        rows = self.slot_rows(slots)
+        keys, values = self.flat_kv()
+        return keys[rows], values[rows]
+
     def merge(self, source: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, self_weight: torch.Tensor) -> None:
         """Merge slot ``source`` into slot ``target`` of the same cell (each [B, Hkv, M]; weight 0: nothing).
 

@@ -135,5 +135,8 @@ class DenseStore(KVStore):
     def slot_keys(self) -> torch.Tensor:
         return self.keys[:, :, : self.used]
 
+    def slot_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attention_kv()
+
     def kv_bytes(self) -> int:
         return storage_bytes(self.keys) + storage_bytes(self.values)

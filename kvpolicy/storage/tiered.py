@@ -130,6 +130,11 @@ class TieredStore(KVStore):
             regions.append(self.tiers[tier].kernel_region(start, count))
         return regions
 
+    def slot_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys_values = self.attention_kv()
+        self._view = None  # decoded for a policy's scores, between passes: an eviction is about to move tokens
+        return keys_values
+
     def end_pass(self) -> None:
         self._view = None
 
@@ -267,7 +272,7 @@ class TieredStore(KVStore):
     def costs(self, cell_state: dict[str, torch.Tensor]) -> TierCosts:
         """What a token costs in each tier (its K/V and its slot's metadata) and what each cell holds regardless."""
         slot = sum(t.element_size() for t in self.slots.tensors())  # zero-width tensors still know their dtype
-        cell = sum(f.cell_bytes() for f in self.tiers) + sum(t.element_size() for t in cell_state.values())
+        cell = sum(f.cell_bytes() for f in self.tiers) + sum(t.element_size() * t[0, 0].numel() for t in cell_state.values())
         reference = 2 * self.tiers[0].keys.shape[-1] * 2  # a 16-bit token's K and V
         return TierCosts(tuple(f.token_bytes() + slot for f in self.tiers), cell, reference)
 

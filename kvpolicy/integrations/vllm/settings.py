@@ -231,6 +231,10 @@ def _check_policy(policy: Policy, where: str, layer: int) -> None:
         raise KVPolicyError(
             f"{where}: policy {name!r} (layer {layer}) scores the prompt by a probe, extra forward passes run after "
             "it, which vLLM's scheduler does not run; run it on transformers, or use snapkv or h2o")
+    if "query_moments" in policy.needs or policy.reads_kv:
+        raise KVPolicyError(
+            f"{where}: policy {name!r} (layer {layer}) scores tokens from the cached keys and the queries' moments, "
+            "which the vLLM plugin does not hand a policy yet; run it on transformers, or use snapkv or h2o")
     if policy.allocates:
         raise KVPolicyError(
             f"{where}: policy {name!r} (layer {layer}) splits each layer's budget among its KV heads, but a vLLM KV "
