@@ -563,6 +563,8 @@ def test_paged_plan_of_the_builtin_recipes():
 @pytest.mark.parametrize("spec,words", [
     ("adakv", "splits each layer's budget among its KV heads"),
     ("fastgen", "sets each KV head's budget itself"),
+    ("expected-attention", "policy 'expected-attention' \\(layer 0\\) scores tokens from the cached keys and the "
+     "queries' moments"),
     ({"kvpolicy": 1, "policy": "streaming", "params": {"positions": "in_cache"}, "budget": {"tokens": 64}},
      "positions: in_cache"),
     ({"kvpolicy": 1, "policy": "h2o", "budget": {"ratio": 0.2}, "layers": [{"layers": "0-1", "policy": "full"}]},
