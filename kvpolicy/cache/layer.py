@@ -84,6 +84,7 @@ class PolicyLayer:
         if moment_readers and inv_freq is None:
             raise KVPolicyError(f"policy {moment_readers[0].name!r} models the queries to come from the queries seen, "
                                 "which needs a RoPE model (its inverse frequencies, inv_freq); this model has none")
+        self.reads_query_moments = bool(moment_readers)
         self.moments_skip = max((p.query_moments_skip for p in moment_readers), default=0)
         self.reads_kv = any(p.reads_kv for p in instances)
         self.inv_freq, self.query_groups = inv_freq, query_groups

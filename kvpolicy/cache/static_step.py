@@ -91,7 +91,7 @@ class StaticStep:
             return f"its budget has slack {budgets.slack} (compaction every slack + 1 steps changes shapes)"
         if layer.drops_early or layer.token_id_policies or layer.in_cache_cells is not None or not layer.profiled:
             return "a policy drops tokens early, reads token ids, moves positions in the cache or profiles the prompt"
-        if layer.reads_kv or layer.inv_freq is not None:
+        if layer.reads_kv or layer.reads_query_moments:
             return "a policy reads the cached keys or the queries' moments"
         if store.packed_tokens != budgets.uniform_limit:
             return "the cache is not full to its budget yet"

@@ -83,12 +83,12 @@ class Session:
         weighing = {index for index, policies in enumerate(layer_policies)
                     if any(g.policy.weighs_layers for g in policies.groups)}
         ledger = LayerLedger(weighing) if weighing else None
-        layers = []
+        layers, query_groups = [], self._query_groups()
         for index, (rows, policies) in enumerate(zip(layer_rows, layer_policies, strict=True)):
             rotary = any(g.policy.in_cache_positions or "query_moments" in g.policy.needs for g in policies.groups)
             inv_freq = self._inv_freq() if rotary else None
             layers.append(CacheLayer(index, rows, policies, prompt_tokens, self.plan.backend, inv_freq, ledger,
-                                     query_groups=self._query_groups()))
+                                     query_groups=query_groups))
         config = self.model.config
         self.last_cache = PolicyCache(layers, attention=lambda: config._attn_implementation)
         if self.last_cache.token_feed is not None or self.last_cache.probe is not None:

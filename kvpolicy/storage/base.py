@@ -133,16 +133,19 @@ class KVStore(ABC):
 
     def slot_keys(self) -> torch.Tensor:
         """Keys of the slots in use, [B, Hkv, used, D], between passes (a copy where the format is not dense)."""
-        slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
-        return self.flat_kv()[0][self.slot_rows(slots)]
+        return self.flat_kv()[0][self._rows_in_use()]
 
     def slot_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the slots in use, [B, Hkv, used, D] each, between passes, for a policy that reads them
         (`Policy.reads_kv`): copies where the format is not dense (ragged rows gathered, tiers decoded)."""
-        slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
-        rows = self.slot_rows(slots)
+        rows = self._rows_in_use()
         keys, values = self.flat_kv()
         return keys[rows], values[rows]
+
+    def _rows_in_use(self) -> torch.Tensor:
+        """`slot_rows` of every slot in use, [B, Hkv, used]."""
+        slots = torch.arange(self.used, device=self.slots.valid.device).expand(*self.slots.valid.shape[:2], -1)
+        return self.slot_rows(slots)
 
     def merge(self, source: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, self_weight: torch.Tensor) -> None:
         """Merge slot ``source`` into slot ``target`` of the same cell (each [B, Hkv, M]; weight 0: nothing).
