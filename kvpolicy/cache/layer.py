@@ -383,7 +383,7 @@ class PolicyLayer:
         scores = None
         if budgets.thresholded:  # what a threshold keeps depends on the scores: they are read at every pass
             scores = self._scores()
-            limit = budgets.under_threshold(limit, scores, self.token_view().seen)
+            limit = budgets.under_threshold(limit, scores, self.tokens_seen)
         over = count - limit
         if (not self.pass_has_pads and int(over.max()) <= budgets.slack and not store.wants_scores()
                 and not self._crossed_block(over)):
