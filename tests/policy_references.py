@@ -56,8 +56,10 @@ class BruteForce:
                         continue
                     cols = sorted(j for j in kept if j <= i)
                     heads = []
+                    bias = [self.logit_bias(layer, b, h, j) for j in cols]
                     for g in range(group):
-                        probs = attend_one(query, key, value, out, b, h * group + g, i - first_new, cols, scaling)
+                        probs = attend_one(query, key, value, out, b, h * group + g, i - first_new, cols, scaling,
+                                           bias)
                         heads.append(dict(zip(cols, probs, strict=True)))
                     rows.append((i, cols, heads))
                 calls[h] = (new, rows)
@@ -71,6 +73,10 @@ class BruteForce:
     def rule(self, layer: int, b: int, calls: dict[int, tuple[list[int], list]]) -> None:
         raise NotImplementedError
 
+    def logit_bias(self, layer: int, b: int, h: int, j: int) -> float:
+        """Added to every query's logit of key ``j`` (a merging rule's proportional attention); 0 by default."""
+        return 0.0
+
     def keep_best(self, layer: int, b: int, h: int, key) -> None:
         """Keep the ``budget`` tokens with the largest ``key(j)`` once the head holds more than budget + slack."""
         kept = self.kept[(layer, b, h)]
@@ -82,11 +88,14 @@ class BruteForce:
         return self.seen - self.position[b][j]
 
 
-def attend_one(query, key, value, out, b, qh, q, cols, scaling) -> list[float]:
+def attend_one(query, key, value, out, b, qh, q, cols, scaling, bias=None) -> list[float]:
     """Query ``q`` of query head ``qh`` (row ``b``) over the keys ``cols`` of its KV head, one at a time: its output
-    written to ``out[b, q, qh]``, its probabilities returned in the order of ``cols``."""
+    written to ``out[b, q, qh]``, its probabilities returned in the order of ``cols`` (``bias``: added to each
+    key's logit, in that order)."""
     h = qh // (query.shape[1] // key.shape[1])
     logits = [float(query[b, qh, q] @ key[b, h, j]) * scaling for j in cols]
+    if bias is not None:
+        logits = [x + c for x, c in zip(logits, bias, strict=True)]
     top = max(logits)
     weights = [math.exp(x - top) for x in logits]
     probs = [w / sum(weights) for w in weights]
@@ -278,16 +287,18 @@ class BruteForceD2O(BruteForceH2O):
     layers' (sparsity: 1 - effective tokens / tokens of each KV head's accumulated attention, averaged over the heads),
     read over the tokens seen before the layer first evicts, fixed at the row's first eviction once every layer has a
     weight (before that: the recipe's budget); each evicted token merged into its most cosine-similar kept key when that similarity
-    reaches the head's EMA threshold, as the weighted mean (exp(similarity) for it, e for the kept token)."""
+    reaches the head's EMA threshold, as the weighted mean (exp(similarity) for it, e for the kept token); with
+    ``proportional``, a key standing for n tokens (itself and those merged into it) gets log n on its logits."""
 
     name = "d2o_bruteforce"
 
     def __init__(self, budget, recent_ratio=0.5, ema_keep=0.5, ema_new=0.5, layer_budgets=True, keep_mass=False,
-                 head_budgets=None):
+                 head_budgets=None, proportional=False):
         super().__init__(budget, recent_ratio)
         self.head_budgets = head_budgets  # per KV head (the recipe's budget per head), or None: `budget` for all
         self.ratio, self.ema_keep, self.ema_new, self.layer_budgets = recent_ratio, ema_keep, ema_new, layer_budgets
         self.keep_mass = keep_mass  # weights scaled by the tokens each stands for (itself and those merged into it)
+        self.proportional = proportional
         self.mass = {}  # (layer, row, kv head, index) -> tokens merged into it
         self.weights = {}  # (layer, row) -> exp(-sparsity), until the row's budget in that layer is set
         self.budgets = {}  # (layer, row) -> the row's budget in that layer, once fixed
@@ -296,6 +307,9 @@ class BruteForceD2O(BruteForceH2O):
         self.layer_count: int | None = None  # the model's layers (set by the test): budgets wait for all their weights
         self.passes = {}  # (layer, row) -> forward passes seen
         self.first_eviction = {}  # layer -> the pass in which one of its rows first evicted
+
+    def logit_bias(self, layer, b, h, j):
+        return math.log(1 + self.mass.get((layer, b, h, j), 0)) if self.proportional else 0.0
 
     def rule(self, layer, b, calls):
         score_of = {}
@@ -344,15 +358,18 @@ class BruteForceD2O(BruteForceH2O):
         tau = self.tau.get((layer, b, h))
         tau = average if tau is None else self.ema_keep * tau + self.ema_new * average
         self.tau[(layer, b, h)] = tau
-        def stands_for(j):
-            return 1 + self.mass.get((layer, b, h, j), 0) if self.keep_mass else 1
+        def stands_for(j):  # itself and the tokens merged into it
+            return 1 + self.mass.get((layer, b, h, j), 0)
+
+        def weighs(j):
+            return stands_for(j) if self.keep_mass else 1
 
         into = {}
         for i, (u, j) in best.items():
             if u >= tau:
-                into.setdefault(j, []).append((math.exp(u) * stands_for(i), i))
+                into.setdefault(j, []).append((math.exp(u) * weighs(i), i))
         for j, sources in into.items():
-            own = math.e * stands_for(j)
+            own = math.e * weighs(j)
             total = own + sum(w for w, _ in sources)
             for tensor in (self.key, self.value):
                 tensor[b, h, j] = (own * tensor[b, h, j] + sum(w * tensor[b, h, i] for w, i in sources)) / total

@@ -99,6 +99,7 @@ def test_inductor_compiles_the_h2o_step_to_the_eager_tokens(model):
     ("full", "no one common budget"),
     (with_budget(load_recipe("h2o"), Budget(tokens=BUDGET, slack=4)), "slack 4"),
     (with_budget(load_recipe("expected-attention"), Budget(tokens=BUDGET)), "reads the cached keys or the queries' moments"),
+    (with_budget(load_recipe("d2o-merge"), Budget(tokens=BUDGET)), "merges the tokens it evicts"),
 ])
 def test_layers_that_cannot_be_static_decode_eagerly_and_say_why(model, spec, blocker):
     ids, mask = padded_batch()

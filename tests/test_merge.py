@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 
@@ -156,3 +157,72 @@ def test_merging_with_precision_tiers_is_refused_in_one_line():
     with pytest.raises(KVPolicyError, match="policy 'd2o' merges evicted tokens into kept ones, which precision tiers"):
         session = kvpolicy.attach(model, recipe)
         session.generate(torch.randint(1, 100, (1, 12)), max_new_tokens=1, do_sample=False)
+
+
+def repeated_call(counts: torch.Tensor, queries: int, needs: frozenset, seed: int = 0):
+    """Two `AttentionCall`s over the same cache: slots standing for ``counts`` [B, Hkv, T] tokens with log n as their
+    key bias, and the same cache with each slot repeated n times (per cell, padded with invalid slots), then
+    ``queries`` new tokens (one row padded when there are several); with each slot's copies in the second."""
+    from kvpolicy.backend.call import AttentionCall
+
+    generator = torch.Generator().manual_seed(seed)
+    batch, kv_heads, old = counts.shape
+    q_heads, dim = 2 * kv_heads, 8
+    keys = torch.randn(batch, kv_heads, old + queries, dim, generator=generator)
+    values = torch.randn(batch, kv_heads, old + queries, dim, generator=generator)
+    query = torch.randn(batch, q_heads, queries, dim, generator=generator)
+    query_valid = None
+    if queries > 1:
+        query_valid = torch.ones(batch, queries, dtype=torch.bool)
+        query_valid[1, :2] = False  # a left-padded row
+    seen = torch.arange(old + queries)
+    query_positions = torch.arange(old, old + queries).expand(batch, -1).clone()
+    if query_valid is not None:
+        query_positions = torch.where(query_valid, old + torch.cumsum(query_valid.long(), 1) - 1, -1)
+    valid = torch.ones(batch, kv_heads, old + queries, dtype=torch.bool)
+    if query_valid is not None:
+        valid[:, :, old:] &= query_valid[:, None]
+    key_positions = torch.cat([seen[:old].expand(batch, kv_heads, -1),
+                               query_positions[:, None].expand(-1, kv_heads, -1)], dim=2)
+    bias = torch.cat([counts.float().log(), torch.zeros(batch, kv_heads, queries)], dim=2)
+    biased = AttentionCall(keys=keys, values=values, valid=valid, key_positions=key_positions,
+                           query_positions=query_positions, query_valid=query_valid, past_slots=old, scaling=0.3,
+                           needs=needs, key_bias=bias)
+    width = int(counts.sum(dim=2).max())
+    copies = [[torch.repeat_interleave(torch.arange(old), counts[b, h]) for h in range(kv_heads)] for b in range(batch)]
+    index = torch.zeros(batch, kv_heads, width, dtype=torch.long)
+    present = torch.zeros(batch, kv_heads, width, dtype=torch.bool)
+    for b in range(batch):
+        for h in range(kv_heads):
+            index[b, h, : len(copies[b][h])], present[b, h, : len(copies[b][h])] = copies[b][h], True
+    index = torch.cat([index, torch.arange(old, old + queries).expand(batch, kv_heads, -1)], dim=2)
+
+    def gathered(tensor):
+        return tensor.gather(2, index[..., None].expand(-1, -1, -1, dim))
+
+    repeated = AttentionCall(keys=gathered(keys), values=gathered(values),
+                             valid=torch.cat([present, valid[:, :, old:]], dim=2),
+                             key_positions=key_positions.gather(2, index), query_positions=query_positions,
+                             query_valid=query_valid, past_slots=width, scaling=0.3, needs=needs)
+    return query, biased, repeated, index, width
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+@pytest.mark.parametrize("needs", [frozenset({"colsum"}), frozenset(), frozenset({"colsum", "last_rows"})])
+def test_a_key_bias_of_log_n_attends_as_n_copies_of_the_slot(queries, needs):
+    """What proportional attention promises: a slot standing for n tokens with log n on its logits gives the output of
+    a cache holding its key and value n times, and its column sum is the copies' together (decode steps, a later
+    prompt chunk with pads, a call with no statistics)."""
+    from kvpolicy.backend import torch_ref
+
+    counts = torch.tensor([[[1, 3, 1, 2, 1, 1], [2, 1, 1, 1, 4, 1]], [[1, 1, 1, 1, 1, 5], [1, 2, 2, 2, 1, 1]]])
+    query, biased, repeated, index, width = repeated_call(counts, queries, needs)
+    got, want = torch_ref.attend(query, biased), torch_ref.attend(query, repeated)
+    real = slice(None) if biased.query_valid is None else biased.query_valid
+    torch.testing.assert_close(got.output[real], want.output[real], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got.output, torch_ref.attend(query, dataclasses.replace(biased, key_bias=None)).output)
+    if "colsum" in needs:
+        slots = biased.keys.shape[2]
+        pooled = torch.zeros_like(got.stats.colsum).scatter_add_(2, index, torch.where(repeated.valid, want.stats.colsum,
+                                                                                         0.0))
+        torch.testing.assert_close(got.stats.colsum, pooled[..., :slots], atol=2e-5, rtol=2e-5)

@@ -67,6 +67,11 @@ CASES = {
     "d2o-merge-only": (lambda: BruteForceD2O(7, layer_budgets=False), "d2o", Budget(tokens=7), {"layer_budgets": False}),
     # a kept token weighs the tokens it stands for: merged ones carry their own count along
     "d2o-mass": (lambda: BruteForceD2O(5, keep_mass=True), "d2o", Budget(tokens=5), {"keep_mass": True}),
+    # a merged key counts as the tokens it stands for in softmax (log n on its logits), with and without layer budgets
+    "d2o-proportional": (lambda: BruteForceD2O(5, keep_mass=True, proportional=True), "d2o", Budget(tokens=5),
+                         {"keep_mass": True, "proportional": True}),
+    "d2o-proportional-merge-only": (lambda: BruteForceD2O(6, layer_budgets=False, proportional=True), "d2o",
+                                    Budget(tokens=6), {"layer_budgets": False, "proportional": True}),
     # protected: 1 sink + 4 (half the budget): the 3 least stable other tokens stay out of the scope
     "roco": (
         lambda: BruteForceRoCo(8, recent_ratio=0.5, sink_length=1, recent_tokens=1),
@@ -150,18 +155,20 @@ def test_matches_bruteforce(case, arch):
         assert all(sum(row) <= budget.tokens * len(row) for row in counts)
 
 
+@pytest.mark.parametrize("proportional", [False, True])
 @pytest.mark.parametrize("arch", ["llama", "opt"])
-def test_d2o_with_budgets_per_head_matches_bruteforce_on_ragged_storage(arch):
+def test_d2o_with_budgets_per_head_matches_bruteforce_on_ragged_storage(arch, proportional):
     """KV heads with their own budgets (5 and 10 here, 3 to 10 on OPT's four heads) scaled by one layer share: the
-    cells differ enough for ragged storage, where merges must land in the right segment rows."""
+    cells differ enough for ragged storage, where merges must land in the right segment rows (and, with proportional
+    attention, each slot's count of merged tokens must move with it)."""
     model = tiny_model(arch)
     layers, heads = model_shape(model)
     budgets = [5, 10] if heads == 2 else [3, 10, 6, 8]
-    params = get_registry().get("d2o").Params()
+    params = get_registry().get("d2o").Params(keep_mass=proportional, proportional=proportional)
     plan = Plan("d2o-heads", [LayerPlan([HeadPlan("d2o", params, Budget(tokens=n)) for n in budgets])
                               for _ in range(layers)])
     ids, mask = padded_batch(lengths=(17, 12, 9))
-    reference = BruteForceD2O(max(budgets), head_budgets=budgets)
+    reference = BruteForceD2O(max(budgets), head_budgets=budgets, keep_mass=proportional, proportional=proportional)
     reference.layer_count = layers
     run_against_reference(model, reference, plan, ids, mask, STEPS)
     cache = reference.kvpolicy_cache

@@ -122,7 +122,8 @@ def test_d2o_holds_its_layer_budgets_merges_and_frees_the_rest(smollm2):
     """D2O (20%): the prompt in one pass evicts every layer to the recipe's budget; at the first generated token,
     once every layer has given its weight, each layer's budget is set (the same in all its heads, different between
     layers, summing to the model's total): layers below it evict down at once, layers above it grow into it; every
-    head merged at its evictions; the memory report counts what is kept; the text stays right."""
+    head merged at its evictions, each kept slot counting the tokens merged into it, which its attention weighs
+    (proportional); the memory report counts what is kept; the text stays right."""
     prompt_tokens, text, cache, counts, live = generate_recording(smollm2, "d2o", 30)
     assert "Thursday" in text and "Friday" in text, text
     budget = math.ceil(0.2 * prompt_tokens)
@@ -141,6 +142,12 @@ def test_d2o_holds_its_layer_budgets_merges_and_frees_the_rest(smollm2):
     for layer in layers:  # every head evicted, so every head's merge threshold was started by a mean similarity
         started, tau = layer.cell_state["0.started"], layer.cell_state["0.threshold"]
         assert bool(started.all()) and bool(((tau > -1) & (tau <= 1)).all())
+        merged, valid = layer.store.slots.token_state["merged_tokens"][..., : layer.used], layer.valid[..., : layer.used]
+        assert bool((merged[~valid] == 0).all()) and bool((merged > 0).any())
+        # every token seen is held, merged into a held one, or dropped: never counted twice
+        assert bool(((merged * valid).sum(dim=2) + valid.sum(dim=2) <= layer.tokens_seen[:, None]).all())
+        bias = layer._key_bias(layer.used)
+        assert bias is not None and torch.equal(bias, torch.log1p(merged))
 
 
 def test_a_threshold_budget_keeps_what_clears_it_per_head_and_frees_the_rest(smollm2):

@@ -431,6 +431,34 @@ def test_tiny_llama_h2o_same_kept_tokens_and_greedy_output(monkeypatch):
 
 
 @in_process
+def test_proportional_merging_falls_back_to_the_torch_path_with_one_warning(monkeypatch):
+    """D2O with proportional attention: its merged slots' key bias has no kernel, so those calls run the torch path
+    on the same device, saying so once; what is kept and generated equals the torch backend's."""
+    from helpers import uniform_plan
+    from tiny_models import padded_batch, tiny_model
+
+    from kvpolicy.backend import triton_kernels
+    from kvpolicy.recipe.budget import Budget
+
+    model = tiny_model("llama").to(DEVICE)
+    ids, mask = (tensor.to(DEVICE) for tensor in padded_batch(lengths=(17, 12, 9)))
+
+    def run():
+        plan = uniform_plan(model, "d2o", Budget(tokens=6), layer_budgets=False, keep_mass=True, proportional=True)
+        return greedy_keeping(model, plan, ids, mask, 4)
+
+    monkeypatch.setenv("KVPOLICY_BACKEND", "torch")
+    ref_tokens, ref_logits, ref_kept = run()
+    monkeypatch.setenv("KVPOLICY_BACKEND", "triton")
+    monkeypatch.setattr(triton_kernels, "_warned_key_bias", False)
+    with pytest.warns(UserWarning, match="take no key bias yet") as warned:
+        tokens, logits, kept = run()
+    assert len([w for w in warned if "key bias" in str(w.message)]) == 1
+    assert kept == ref_kept and torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+@in_process
 def test_tiny_llama_tiered_h2o_same_kept_tokens_and_greedy_output_reading_codes_in_place(monkeypatch, tmp_path):
     """A byte budget over 16/8/2-bit tiers: the Triton run's decode steps read the codes in place and keep what the
     torch run keeps, with the same tokens."""

@@ -45,6 +45,9 @@ class AttentionCall:
     #: row's queries stay out of the moments
     inv_freq: torch.Tensor | None = None
     moments_skip: int = 0
+    #: [B, Hkv, T] float32 added to every query's logit of each slot (natural log), or None: a slot that stands for n
+    #: merged tokens draws attention as n tokens would, log n (a merging policy's `proportional_attention`)
+    key_bias: torch.Tensor | None = None
 
     def decoded(self) -> AttentionCall:
         """This call with its keys and values decoded to the compute dtype (a transient copy: workspace)."""

@@ -36,11 +36,12 @@ _ELEMENT_STATS = frozenset({"colsum_sq", "colsum_heads", "near_colsum_heads", "b
 
 
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
-    """One layer's attention call: plain SDPA when no statistics are asked for, else with score tracking."""
+    """One layer's attention call: plain SDPA when no statistics are asked for, else with score tracking (and with
+    a key bias, which SDPA's boolean masks cannot carry, always: its statistics are then computed and not read)."""
     query = call.prepare_query(query)
     # one query per row sees every valid slot (they are all older): no position mask to build
     one_query = query.shape[2] == 1 and call.sliding_window is None and call.query_valid is None
-    if not call.needs:
+    if not call.needs and call.key_bias is None:
         if one_query and not call.causal_only:
             # gaps in the slots: SDPA masked per KV head, the G queries of each folded into rows (interleaved A/B on
             # one thread, vLLM's paged decode at 12 requests x 300 / 1,500 tokens: 10% / 18% under the
@@ -57,11 +58,12 @@ def _attend_with_stats(query: torch.Tensor, call: AttentionCall, one_query: bool
     chunked, masked path."""
     if one_query and call.needs <= DECODE_STATS:
         valid = None if call.causal_only else call.valid
-        return _decode_step(query, call.keys, call.values, call.scaling, call.needs, call.last_rows_window, valid)
+        return _decode_step(query, call.keys, call.values, call.scaling, call.needs, call.last_rows_window, valid,
+                            call.key_bias)
     near_for = call.near_mask if "near_colsum_heads" in call.needs else None
     return attend_tracking(
         query, call.keys, call.values, None if call.causal_only else call.key_mask, call.scaling, call.needs,
-        call.query_valid, call.past_slots, call.last_rows_window, near_for,
+        call.query_valid, call.past_slots, call.last_rows_window, near_for, call.key_bias,
     )
 
 
@@ -128,6 +130,7 @@ def attend_tracking(
     past_slots: int,
     last_rows: int = 0,
     near_for: Callable[[int, int, int], torch.Tensor] | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """Attention output [B, q, Hq, D] plus the requested statistics over the ``T`` key slots.
 
@@ -137,14 +140,15 @@ def attend_tracking(
     needs keys past its last query's slot (the causal half is skipped).
     ``query_valid`` [B, q] marks real (non-pad) queries; pads add nothing to statistics.
     ``near_for(lo, hi, slots)`` ([B, Hkv, hi-lo, slots] bool, like ``mask_for``) says which keys are
-    within the local band of each query, for ``near_colsum_heads``.
+    within the local band of each query, for ``near_colsum_heads``. ``key_bias`` [B, Hkv, T] is added to every
+    query's logit of each slot (`AttentionCall.key_bias`).
     """
     batch, q_heads, queries, dim = query.shape
     kv_heads, total_slots = keys.shape[1], keys.shape[2]
     groups = q_heads // kv_heads
     stats_dtype = torch.float32
     if queries == 1 and mask_for is None and needs <= DECODE_STATS:
-        return _decode_step(query, keys, values, scaling, needs, last_rows)
+        return _decode_step(query, keys, values, scaling, needs, last_rows, key_bias=key_bias)
     per_key = (batch, kv_heads, total_slots)
     colsum = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum" in needs else None
     colsum_sq = torch.zeros(per_key, dtype=stats_dtype, device=query.device) if "colsum_sq" in needs else None
@@ -166,7 +170,7 @@ def attend_tracking(
     chunk = max(1, min(queries, _CHUNK_QUERIES, _CHUNK_ELEMENTS // max(1, batch * q_heads * total_slots)))
     # base-2 logits: exp2 is cheaper than exp, and the scale folds into the (small) query
     grouped = (query.to(stats_dtype) * (scaling * _LOG2_E)).view(batch, kv_heads, groups, queries, dim)
-    operands = _ChunkOperands(keys, values, stats_dtype, batch * kv_heads * groups * chunk * total_slots)
+    operands = _ChunkOperands(keys, values, stats_dtype, batch * kv_heads * groups * chunk * total_slots, key_bias)
     # its range check reads each chunk's row sums on the host: free on a CPU. Not for `below_uniform`: it compares each
     # probability with 1/t, and a lone key's exp2(l) * (1 / exp2(l)) can round below 1 where exp2(0) * 1 does not
     shift_free = query.device.type == "cpu" and "below_uniform" not in needs
@@ -233,7 +237,10 @@ class _ChunkOperands:
     which saves a pass over the chunk's weights), and one buffer that every chunk's logits are written into (a fresh
     multi-MB tensor per chunk faults in new pages: one layer at 4K tokens spent ~40% longer in its Q K^T)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, buffer_elements: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, buffer_elements: int,
+                 key_bias: torch.Tensor | None = None):
+        # base 2, like the logits; [B, Hkv, 1, T] to broadcast over a chunk's rows
+        self.bias = None if key_bias is None else (key_bias.to(dtype) * _LOG2_E)[:, :, None]
         self.keys_t = keys.to(dtype).transpose(-1, -2).contiguous()
         ones = values.new_ones((*values.shape[:-1], 1), dtype=dtype)
         self.values_and_ones = torch.cat([values.to(dtype), ones], dim=-1)
@@ -250,6 +257,8 @@ class _ChunkOperands:
         else:
             into = self.buffer[: batch * kv_heads * rows * slots].view(batch, kv_heads, rows, slots)
             logits = torch.matmul(q_chunk, keys_t, out=into)
+        if self.bias is not None:
+            logits.add_(self.bias[..., :slots])
         per_query = logits.view(batch, kv_heads, rows // queries, queries, slots)
         if mask is not None:
             per_query.masked_fill_(~mask, -torch.inf)
@@ -297,23 +306,25 @@ def _causal_mask(past_slots: int, lo: int, hi: int, slots: int, device: torch.de
 
 def _decode_step(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, needs: frozenset[str],
-    last_rows: int, valid: torch.Tensor | None = None,
+    last_rows: int, valid: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, AttentionStats]:
     """One query per row over the cache (``valid`` [B, Hkv, T]: the slots holding a token; None: all): the few
     ops a decode step needs, the statistics of `DECODE_STATS` included."""
     batch, q_heads = query.shape[:2]
-    probs = _decode_probs(query, keys, scaling, valid)
+    probs = _decode_probs(query, keys, scaling, valid, key_bias)
     out = torch.matmul(probs, values.float()).reshape(batch, 1, q_heads, values.shape[-1]).to(query.dtype)
     return out, decode_stats(probs, valid, needs, last_rows)
 
 
-def _decode_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None
-                  ) -> torch.Tensor:
+def _decode_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None,
+                  key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """[B, Hkv, G, T]: the attention of one query per row, the G query heads of each KV head apart."""
     batch, q_heads, _, dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float() * scaling
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [B, Hkv, G, T]
+    if key_bias is not None:
+        logits = logits + key_bias[:, :, None].float()
     if valid is not None:
         logits.masked_fill_(~valid[:, :, None], -torch.inf)
     return torch.softmax(logits, dim=-1)

@@ -35,6 +35,7 @@ bf16 dot is wrong). Triton picks compile-or-interpret when it is first imported,
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -496,16 +497,31 @@ def _as_u8(mask: torch.Tensor) -> torch.Tensor:
 TORCH_ONLY_STATS = frozenset({"colsum_heads", "near_colsum_heads", "colmax"})
 
 
+_warned_key_bias = False
+
+
+def _warn_key_bias() -> None:
+    global _warned_key_bias
+    if not _warned_key_bias:
+        warnings.warn("kvpolicy: the Triton kernels take no key bias yet, so layers whose merged tokens attend in "
+                      "proportion to what they stand for (proportional_attention) run the torch path on the GPU",
+                      stacklevel=4)
+        _warned_key_bias = True
+
+
 def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     """One layer's attention call, as `torch_ref.attend`: the kernels when statistics are asked for.
 
     Calls without statistics run SDPA (the fastest exact kernel there is), and the profiling
-    statistics, which have no kernel, run on the torch reference on the same device. A tiered
+    statistics and a key bias (`AttentionCall.key_bias`), which have no kernel, run on the torch reference on the
+    same device. A tiered
     layer's decode steps go to `triton_tiered.attend` (`dispatch`); its other calls come here and
     decode the layer first.
     """
     call = call.decoded()  # a tiered layer's call that `triton_tiered` did not take: its K/V decoded
-    if not call.needs or call.needs & TORCH_ONLY_STATS:
+    if call.key_bias is not None:
+        _warn_key_bias()
+    if not call.needs or call.needs & TORCH_ONLY_STATS or call.key_bias is not None:
         return torch_ref.attend(query, call)
     query = call.prepare_query(query)
     out, stats = attend_tracking_triton(

@@ -32,7 +32,7 @@ from ..storage.tiered import TieredStore
 from .budgets import CellBudgets
 from .layer_shares import LayerLedger
 from .memory_report import LayerMemory, layer_memory
-from .merging import merge_evicted
+from .merging import MERGED_TOKENS, merge_evicted
 from .policy_group import LayerPolicies, PolicyGroup, call_policy, checked
 from .static_step import StaticStep
 
@@ -67,6 +67,9 @@ class PolicyLayer:
         #: set by a cache that runs a probe (`kvpolicy.hf.probe`): every layer then evicts only once it is over
         self.probed_cache = False
         self.merging = [g for g in groups if g.policy.merges]
+        # cells whose merged slots attend in proportion to the tokens they stand for (`Policy.proportional_attention`)
+        proportional = [g.cells for g in self.merging if g.policy.proportional_attention]
+        self.proportional_cells = torch.stack(proportional).any(dim=0) if proportional else None
         self.weighing = [g for g in groups if g.policy.weighs_layers]
         self.ledger = ledger if self.weighing else None
         if self.weighing and ledger is None:
@@ -110,6 +113,7 @@ class PolicyLayer:
         self.profiled = not self.profiling
         self.awaits_probe = self.probed_cache
         self.evicting = True  # False once the owner stops it (`PolicyCache.stop_evicting`): every token then stays
+        self.has_merged = False  # a merging eviction ran: slots may stand for several tokens (`key_bias`)
         self.evicted_block: torch.Tensor | None = None  # [B] tokens seen // align at each row's last eviction (-1: none)
         # while a probe runs: what the layer held before its first pass (used slots, slots seen, tokens seen,
         # packed tokens, pads in the last pass), restored after each pass
@@ -163,6 +167,8 @@ class PolicyLayer:
         token_state = self.policies.token_state()
         if self.token_id_policies:
             token_state["token_ids"] = torch.int32
+        if self.merging:
+            token_state[MERGED_TOKENS] = torch.float32
         self.cell_state = {
             f"{g.prefix}{name}": self._cell_tensor(g.policy.name, kind, batch, heads, keys.shape[-1], device)
             for g in self.policies.groups for name, kind in g.policy.cell_state.items()
@@ -251,7 +257,16 @@ class PolicyLayer:
             regions=self.store.kernel_regions() if self.kernel_reads_tiers else None,
             decode_kv=self.store.attention_kv if self.kernel_reads_tiers else None,
             inv_freq=self.inv_freq if "query_moments" in needs else None, moments_skip=self.moments_skip,
+            key_bias=self._key_bias(used),
         )
+
+    def _key_bias(self, used: int) -> torch.Tensor | None:
+        """log of the tokens each of the first ``used`` slots stands for, on the cells that attend in proportion to
+        them (`Policy.proportional_attention`), 0 elsewhere; None while no slot stands for more than itself."""
+        if self.proportional_cells is None or not self.has_merged:
+            return None
+        merged = self.store.slots.token_state[MERGED_TOKENS][:, :, :used]
+        return torch.where(self.proportional_cells.to(merged.device)[:, :, None], torch.log1p(merged), 0.0)
 
     def end_call(self, stats: AttentionStats | None) -> None:
         """Let the policies observe this call, then evict what is over budget."""
@@ -339,12 +354,13 @@ class PolicyLayer:
 
     def token_view(self) -> TokenView:
         ids, used = self.store.slots.token_state.get("token_ids"), self.used
+        merged = self.store.slots.token_state.get(MERGED_TOKENS)
         keys, values = self.store.slot_kv() if self.reads_kv else (None, None)
         return TokenView(
             positions=self.positions[:, :, :used], valid=self.valid[:, :, :used], seen=self.tokens_seen,
             budget=self.budgets.view_limits, token_ids=ids[:, :, :used] if ids is not None else None,
             layer_share=self.ledger.share(self.layer_idx) if self.ledger is not None else None,
-            keys=keys, values=values, inv_freq=self.inv_freq,
+            keys=keys, values=values, inv_freq=self.inv_freq, merged=merged[:, :, :used] if merged is not None else None,
         )
 
     # --- eviction ---------------------------------------------------------------------------------------
@@ -393,6 +409,7 @@ class PolicyLayer:
         keep = torch.minimum(limit, (scores > -torch.inf).sum(dim=2))
         if self.merging:
             scores = merge_evicted(store, self.merging, self.group_state, self.token_view(), scores, keep)
+            self.has_merged = True
         self.evictions += 1
         self.weighs_tokens_seen = False
         if budgets.align:

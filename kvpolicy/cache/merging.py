@@ -3,6 +3,8 @@
 At an eviction the layer knows which slots stay; each merging policy says, for its cells,
 where the others go (`MergePlan`); the store then rewrites the targets' K/V as weighted means
 (`KVStore.merge`) before it drops the sources. One store operation serves every merging policy.
+The layer counts, per slot, the evicted tokens merged into it (`MERGED_TOKENS`, `TokenView.merged`), so that a
+policy can weigh a slot by what it stands for and attention can count it as that many tokens (`key_bias`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from ..errors import KVPolicyError
 from ..policies.base import MergePlan, TokenView
 from ..storage.base import KVStore, top_kept
 from .policy_group import PolicyGroup, StateOf, call_policy, checked
+
+#: the slot table's entry, on a layer with a merging policy, of the evicted tokens each slot has absorbed
+MERGED_TOKENS = "merged_tokens"
 
 
 def merge_evicted(store: KVStore, groups: list[PolicyGroup], state_of: StateOf, view: TokenView,
@@ -54,4 +59,6 @@ def merge_evicted(store: KVStore, groups: list[PolicyGroup], state_of: StateOf, 
         present = torch.arange(width, device=scores.device) < counts
         into = target.gather(2, source).clamp(min=0)
         store.merge(source, into, torch.where(present, weight.gather(2, source), 0.0), self_weight.gather(2, into))
+        merged = store.slots.token_state[MERGED_TOKENS][:, :, : shape[2]]  # a view: the counts move with their slots
+        merged.scatter_add_(2, into, torch.where(present, 1.0 + merged.gather(2, source), 0.0))
     return torch.where(kept, scores, -torch.inf)

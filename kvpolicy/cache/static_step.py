@@ -45,6 +45,7 @@ class SteppedLayer(Protocol):
     evictions: int
     # what rules the step out
     drops_early: bool
+    merging: list[PolicyGroup]
     token_id_policies: list[str]
     in_cache_cells: torch.Tensor | None
     profiled: bool
@@ -91,6 +92,8 @@ class StaticStep:
             return f"its budget has slack {budgets.slack} (compaction every slack + 1 steps changes shapes)"
         if layer.drops_early or layer.token_id_policies or layer.in_cache_cells is not None or not layer.profiled:
             return "a policy drops tokens early, reads token ids, moves positions in the cache or profiles the prompt"
+        if layer.merging:
+            return "a policy merges the tokens it evicts (a merge's targets vary)"
         if layer.reads_kv or layer.reads_query_moments:
             return "a policy reads the cached keys or the queries' moments"
         if store.packed_tokens != budgets.uniform_limit:

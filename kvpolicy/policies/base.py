@@ -96,6 +96,9 @@ class TokenView:
     values: torch.Tensor | None = None
     #: [D / 2] float, the model's RoPE inverse frequencies, for policies that read `query_moments`; else None
     inv_freq: torch.Tensor | None = None
+    #: [B, Hkv, T] float32 on a layer with a merging policy (`Policy.merges`): how many evicted tokens each slot has
+    #: absorbed, directly or through the tokens merged into it (0: the slot is its own token alone); else None
+    merged: torch.Tensor | None = None
 
     def recent_mask(self, count: torch.Tensor) -> torch.Tensor:
         """Slots holding one of the ``count`` (per row/head, [B, Hkv]) most recent real tokens."""
@@ -181,6 +184,10 @@ class Policy:
     in_cache_positions: bool = False
     #: True if the policy merges the tokens the cache evicts into kept ones (``merge``) instead of dropping them.
     merges: ClassVar[bool] = False
+    #: With ``merges``: True if a slot that stands for n tokens (itself and ``view.merged`` more) draws attention as
+    #: n tokens with its key would: every backend adds log n to its logits (`AttentionCall.key_bias`). Without it a
+    #: merged key counts once in softmax, and the attention its tokens drew together is lost.
+    proportional_attention: bool = False
     #: True if ``layer_weight`` says how much of the model's budget this layer needs; ``view.layer_share`` then
     #: carries it, relative to the other layers, to ``allocate``.
     weighs_layers: ClassVar[bool] = False

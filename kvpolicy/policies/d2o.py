@@ -13,6 +13,10 @@ Merging: each evicted token finds the kept token of its KV head whose key is mos
 (tau <- ema_keep * tau + ema_new * mean, started by the first eviction's mean). A token with u >= tau
 merges into its match with weight exp(u), the match weighing e (exp of its similarity with
 itself): the match's K and V become the weighted mean. Below tau the token is dropped.
+
+Two departures from the paper, off by default: `keep_mass` scales both weights by the tokens each side
+already stands for, and `proportional` lets a merged slot draw the attention of all its tokens
+(log n added to its logits), which the paper's merge loses (docs/policies/d2o.md).
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ class D2OParams(H2OParams):
     # true: a kept token weighs e times the tokens it already stands for (itself and those merged into it), so that
     # repeated merges do not wash it out; false: e, as the paper's formula
     keep_mass: bool = False
+    # true: a slot standing for n tokens draws attention as n copies of its key would (log n added to its logits), so
+    # merging keeps the attention its tokens drew together; false: it counts once in softmax, as in the paper
+    proportional: bool = False
 
     def validate(self) -> None:
         super().validate()
@@ -51,7 +58,7 @@ class D2O(H2O):
     name = "d2o"
     description = "H2O that merges evicted tokens into their most similar kept ones, budgets set per layer"
     Params = D2OParams
-    state = {"acc": torch.float32, "mass": torch.float32}  # mass: tokens merged into this one (and theirs), keep_mass only
+    state = {"acc": torch.float32}
     cell_state = {"threshold": torch.float32, "started": torch.bool}
     merges = True
     weighs_layers = True
@@ -59,8 +66,7 @@ class D2O(H2O):
 
     def __init__(self, params: D2OParams | None = None) -> None:
         super().__init__(params)
-        if not self.params.keep_mass:  # no per-token mass to store
-            self.state = {"acc": torch.float32}
+        self.proportional_attention = self.params.proportional
         if not self.params.layer_budgets:  # the recipe's budget everywhere: no weights to compute, nothing to split
             self.weighs_layers = self.allocates = False
 
@@ -97,9 +103,8 @@ class D2O(H2O):
         if not self.params.keep_mass:
             weight = torch.zeros_like(state["acc"]).scatter_(2, order, torch.where(merged, best.exp(), 0.0))
             return MergePlan(target=target, weight=weight, self_weight=torch.full_like(weight, math.e))
-        mass = state["mass"]
+        mass = view.merged  # tokens already merged into each slot (the cache counts them)
         carried = torch.where(merged, 1.0 + mass.gather(2, order), 0.0)
         weight = torch.zeros_like(mass).scatter_(2, order, torch.where(merged, best.exp(), 0.0) * carried)
         self_weight = math.e * (1.0 + mass)
-        mass.scatter_add_(2, torch.where(merged, match, 0), carried)
         return MergePlan(target=target, weight=weight, self_weight=self_weight)
