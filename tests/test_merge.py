@@ -162,7 +162,8 @@ def test_merging_with_precision_tiers_is_refused_in_one_line():
 def repeated_call(counts: torch.Tensor, queries: int, needs: frozenset, seed: int = 0):
     """Two `AttentionCall`s over the same cache: slots standing for ``counts`` [B, Hkv, T] tokens with log n as their
     key bias, and the same cache with each slot repeated n times (per cell, padded with invalid slots), then
-    ``queries`` new tokens (one row padded when there are several); with each slot's copies in the second."""
+    ``queries`` new tokens (one row padded when there are several); also which slot of the first each slot of the
+    second copies (``index``)."""
     from kvpolicy.backend.call import AttentionCall
 
     generator = torch.Generator().manual_seed(seed)
@@ -204,7 +205,7 @@ def repeated_call(counts: torch.Tensor, queries: int, needs: frozenset, seed: in
                              valid=torch.cat([present, valid[:, :, old:]], dim=2),
                              key_positions=key_positions.gather(2, index), query_positions=query_positions,
                              query_valid=query_valid, past_slots=width, scaling=0.3, needs=needs)
-    return query, biased, repeated, index, width
+    return query, biased, repeated, index
 
 
 @pytest.mark.parametrize("queries", [1, 5])
@@ -216,7 +217,7 @@ def test_a_key_bias_of_log_n_attends_as_n_copies_of_the_slot(queries, needs):
     from kvpolicy.backend import torch_ref
 
     counts = torch.tensor([[[1, 3, 1, 2, 1, 1], [2, 1, 1, 1, 4, 1]], [[1, 1, 1, 1, 1, 5], [1, 2, 2, 2, 1, 1]]])
-    query, biased, repeated, index, width = repeated_call(counts, queries, needs)
+    query, biased, repeated, index = repeated_call(counts, queries, needs)
     got, want = torch_ref.attend(query, biased), torch_ref.attend(query, repeated)
     real = slice(None) if biased.query_valid is None else biased.query_valid
     torch.testing.assert_close(got.output[real], want.output[real], atol=1e-5, rtol=1e-5)

@@ -324,7 +324,7 @@ def _decode_probs(query: torch.Tensor, keys: torch.Tensor, scaling: float, valid
     grouped = query.reshape(batch, kv_heads, q_heads // kv_heads, dim).float() * scaling
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2))  # [B, Hkv, G, T]
     if key_bias is not None:
-        logits = logits + key_bias[:, :, None].float()
+        logits.add_(key_bias[:, :, None])
     if valid is not None:
         logits.masked_fill_(~valid[:, :, None], -torch.inf)
     return torch.softmax(logits, dim=-1)

@@ -521,7 +521,8 @@ def attend(query: torch.Tensor, call: AttentionCall) -> AttentionResult:
     call = call.decoded()  # a tiered layer's call that `triton_tiered` did not take: its K/V decoded
     if call.key_bias is not None:
         _warn_key_bias()
-    if not call.needs or call.needs & TORCH_ONLY_STATS or call.key_bias is not None:
+        return torch_ref.attend(query, call)
+    if not call.needs or call.needs & TORCH_ONLY_STATS:
         return torch_ref.attend(query, call)
     query = call.prepare_query(query)
     out, stats = attend_tracking_triton(
