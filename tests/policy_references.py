@@ -9,6 +9,7 @@ call (the prefill, then each decode step). Nothing is shared with kvpolicy.
 from __future__ import annotations
 
 import math
+from statistics import variance
 
 import torch
 from transformers import AttentionInterface
@@ -288,17 +289,19 @@ class BruteForceD2O(BruteForceH2O):
     read over the tokens seen before the layer first evicts, fixed at the row's first eviction once every layer has a
     weight (before that: the recipe's budget); each evicted token merged into its most cosine-similar kept key when that similarity
     reaches the head's EMA threshold, as the weighted mean (exp(similarity) for it, e for the kept token); with
-    ``proportional``, a key standing for n tokens (itself and those merged into it) gets log n on its logits."""
+    ``proportional``, a key standing for n tokens (itself and those merged into it) gets log n on its logits.
+    ``sparsity="head_range"``: a layer's sparsity is each KV head's variance of accumulated attention over its tokens,
+    min-max normalized over the layer's heads, averaged (the authors' code)."""
 
     name = "d2o_bruteforce"
 
     def __init__(self, budget, recent_ratio=0.5, ema_keep=0.5, ema_new=0.5, layer_budgets=True, keep_mass=False,
-                 head_budgets=None, proportional=False):
+                 head_budgets=None, proportional=False, sparsity="effective"):
         super().__init__(budget, recent_ratio)
         self.head_budgets = head_budgets  # per KV head (the recipe's budget per head), or None: `budget` for all
         self.ratio, self.ema_keep, self.ema_new, self.layer_budgets = recent_ratio, ema_keep, ema_new, layer_budgets
         self.keep_mass = keep_mass  # weights scaled by the tokens each stands for (itself and those merged into it)
-        self.proportional = proportional
+        self.proportional, self.sparsity = proportional, sparsity
         self.mass = {}  # (layer, row, kv head, index) -> tokens merged into it
         self.weights = {}  # (layer, row) -> exp(-sparsity), until the row's budget in that layer is set
         self.budgets = {}  # (layer, row) -> the row's budget in that layer, once fixed
@@ -326,8 +329,14 @@ class BruteForceD2O(BruteForceH2O):
             for h, score in score_of.items():
                 values = [score[j] for j in self.kept[(layer, b, h)]]
                 total = sum(values)
-                effective = 1.0 / sum((v / total) ** 2 for v in values)  # tokens it would spread evenly over
-                sparsity.append(1.0 - effective / len(values))
+                if self.sparsity == "head_range":
+                    sparsity.append(variance(values) if len(values) > 1 else 0.0)
+                else:
+                    effective = 1.0 / sum((v / total) ** 2 for v in values)  # tokens it would spread evenly over
+                    sparsity.append(1.0 - effective / len(values))
+            if self.sparsity == "head_range":
+                low, high = min(sparsity), max(sparsity)
+                sparsity = [(v - low) / (high - low + 1e-6) for v in sparsity]
             self.weights[(layer, b)] = math.exp(-mean(sparsity))
         recipe = self.head_budgets or [self.budget] * len(calls)
         known = [w for (other, row), w in self.weights.items() if row == b]

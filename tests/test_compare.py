@@ -145,8 +145,10 @@ def test_resume_skips_finished_rows_and_force_recomputes(tiny, tmp_path, monkeyp
     assert calls == [("ppl", ["h2o@0.25"]), ("memory", ["h2o@0.25"])]
     assert results(out)[:4] == first and len(results(out)) == 6
     calls.clear()
-    assert compare(tiny, out, *args, "--budgets", "0.25", "--force") == 0
-    assert calls == [("ppl", ["full", "h2o@0.25"]), ("memory", ["full", "h2o@0.25"])]
+    assert compare(tiny, out, *args, "--budgets", "0.25", "0.5", "--force") == 0
+    # the full cache in a batch of its own: the bounded rows' storage stays as wide as their budgets
+    assert calls == [("ppl", ["full"]), ("ppl", ["h2o@0.25", "h2o@0.5"]), ("memory", ["full"]),
+                     ("memory", ["h2o@0.25", "h2o@0.5"])]
     assert len(results(out)) == 6
 
 

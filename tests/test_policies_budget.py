@@ -9,7 +9,7 @@ import torch
 from helpers import StepRecorder, greedy, per_head_counts, uniform_plan
 from tiny_models import ARCHS, padded_batch, tiny_model
 
-from kvpolicy.hf.session import attach
+from kvpolicy.hf.session import attach, attach_rows
 from kvpolicy.policies.base import AttentionStats, TokenView
 from kvpolicy.recipe.budget import Budget
 from kvpolicy.registry import get_registry
@@ -211,3 +211,33 @@ def test_evicts_and_is_limited():
     assert not Version1Plugin.evicts
     assert Budget(tokens=8).is_limited and Budget(ratio=0.2).is_limited
     assert not UNBOUNDED.is_limited and not BY_POLICY.is_limited
+
+
+def _layer_limits(model, plans, ids) -> list[torch.Tensor]:
+    """Each layer's per-cell budgets after feeding ``ids`` one token at a time to one row per plan."""
+    session = attach_rows(model, plans)
+    try:
+        cache = session.new_cache()
+        with torch.inference_mode():
+            for t in range(ids.shape[1]):
+                model(input_ids=ids[:, t : t + 1].expand(len(plans), -1), past_key_values=cache, use_cache=True)
+        return [layer.budgets.limits.clone() for layer in cache.layers]
+    finally:
+        session.detach()
+
+
+def test_rows_that_weigh_layers_differently_each_get_the_budgets_they_get_alone():
+    """A sweep batches rows whose layers' weights come from different policies (here D2O's two readings of sparsity,
+    beside an H2O row that weighs nothing): each row's layer budgets are the ones it gets in a batch of its own, not
+    a mean over the batch's policies."""
+    model = tiny_model("opt")  # 4 KV heads: the heads' variance range differs across layers
+    ids = torch.randint(1, 100, (1, 24), generator=torch.Generator().manual_seed(3))
+    plans = [uniform_plan(model, "d2o", Budget(tokens=8)),
+             uniform_plan(model, "d2o", Budget(tokens=8), sparsity="head_range"),
+             uniform_plan(model, "h2o", Budget(tokens=8))]
+    together = _layer_limits(model, plans, ids)
+    for row, plan in enumerate(plans):
+        alone = _layer_limits(model, [plan], ids)
+        assert [limits[row].tolist() for limits in together] == [limits[0].tolist() for limits in alone], row
+    assert any(limits[0].tolist() != limits[1].tolist() for limits in together)  # the two readings differ
+    assert all(limits[2].tolist() == [8] * 4 for limits in together)

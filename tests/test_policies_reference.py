@@ -65,6 +65,9 @@ CASES = {
     "d2o-wide": (lambda: BruteForceD2O(11, recent_ratio=0.3, ema_keep=0.3, ema_new=0.7), "d2o", Budget(tokens=11),
                  {"recent_ratio": 0.3, "ema_keep": 0.3, "ema_new": 0.7}),
     "d2o-merge-only": (lambda: BruteForceD2O(7, layer_budgets=False), "d2o", Budget(tokens=7), {"layer_budgets": False}),
+    # the layers' sparsity as the authors' code reads it: heads' variances min-max normalized within the layer
+    "d2o-head-range": (lambda: BruteForceD2O(11, sparsity="head_range"), "d2o", Budget(tokens=11),
+                       {"sparsity": "head_range"}),
     # a kept token weighs the tokens it stands for: merged ones carry their own count along
     "d2o-mass": (lambda: BruteForceD2O(5, keep_mass=True), "d2o", Budget(tokens=5), {"keep_mass": True}),
     # a merged key counts as the tokens it stands for in softmax (log n on its logits), with and without layer budgets
@@ -149,6 +152,8 @@ def test_matches_bruteforce(case, arch):
         assert reference.merges > 0
         if case == "d2o-wide" and arch == "llama":
             assert len({tuple(b) for b in reference.budgets.values()}) > 1, reference.budgets
+        if case == "d2o-head-range":  # 4 heads (OPT): layers differ; 2 KV heads (llama): each layer's mean is 0.5
+            assert (len({tuple(b) for b in reference.budgets.values()}) > 1) == (arch == "opt"), reference.budgets
     if policy == "adakv":  # heads of a layer keep different numbers of tokens, summing to the layer's budget
         counts = [[len(head) for head in row] for step in steps for layer in layers for row in step[layer]]
         assert any(len(set(row)) > 1 for row in counts)

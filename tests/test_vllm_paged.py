@@ -21,9 +21,10 @@ from kvpolicy.backend.dispatch import attend
 from kvpolicy.cache.layer import PolicyLayer
 from kvpolicy.cache.policy_group import LayerPolicies, make_policies
 from kvpolicy.errors import KVPolicyError
+from kvpolicy.integrations.vllm.compact_rows import CompactRows
 from kvpolicy.integrations.vllm.deferred import QueryWindows, stored_observation
 from kvpolicy.integrations.vllm.engine import rank_heads
-from kvpolicy.integrations.vllm.paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
+from kvpolicy.integrations.vllm.paged import PagedLayerCache, PagedPolicies, cpu_cache_views
 from kvpolicy.integrations.vllm.schedule import RequestSchedule, decoding_blocks, most_blocks
 from kvpolicy.integrations.vllm.settings import Settings, paged_plan, read_settings
 from kvpolicy.recipe import load_recipe

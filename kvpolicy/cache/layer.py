@@ -181,6 +181,10 @@ class PolicyLayer:
             self.kernel_reads_tiers = self.backend == "triton"
         else:
             self.store = DenseStore(keys, values, token_state, self.budgets)
+        # the per-cell masks each call reads, on the layer's device once rather than copied there at every call
+        for name in ("in_cache_cells", "proportional_cells", "near_ratio"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
         self.tokens_seen = torch.zeros(batch, dtype=torch.long, device=device)  # real tokens per row
 
     def _cell_tensor(self, policy: str, kind: torch.dtype | CellArray, batch: int, heads: int, head_dim: int,
@@ -343,7 +347,12 @@ class PolicyLayer:
             if not bool((weight > 0).all()):
                 raise KVPolicyError(f"policy {group.policy.name!r} gave layer {self.layer_idx} a weight <= 0 (or NaN); "
                                     "layer weights must be > 0")
-        self.ledger.report(self.layer_idx, torch.stack(weights).mean(dim=0), open_rows)
+        # each row's weight from the policies of its own cells (rows of a sweep may weigh layers by different
+        # policies or parameters), as the mean over its cells; 1 for a row whose cells weigh nothing (unread)
+        held = torch.stack([g.cells.to(view.seen.device).expand(rows[0], -1).sum(dim=1) for g in self.weighing]).float()
+        total = torch.stack([w.float() for w in weights]).mul(held).sum(dim=0)
+        self.ledger.report(self.layer_idx, torch.where(held.sum(0) > 0, total / held.sum(0).clamp(min=1), 1.0),
+                           open_rows)
 
     def group_state(self, group: PolicyGroup) -> dict[str, torch.Tensor]:
         """A policy's state: its per-token tensors over the slots in use, and its per-cell ones."""

@@ -26,6 +26,8 @@ class LayerLedger:
         # that rank across layers; ranked when a share is next asked, once every layer has reported
         self.scores: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.unranked = False
+        # the layers' mean weight per (shape, device), kept until a weight changes: every layer asks at every call
+        self._means: dict[tuple, torch.Tensor] = {}
 
     @property
     def complete(self) -> bool:
@@ -38,6 +40,7 @@ class LayerLedger:
         if rows is not None and before is not None and before.shape == weight.shape:
             weight = torch.where(rows.to(weight.device), weight, before)
         self.weights[layer] = weight
+        self._means.clear()
 
     def report_scores(self, layer: int, scores: torch.Tensor, budget: torch.Tensor,
                       rows: torch.Tensor | None = None) -> None:
@@ -66,6 +69,7 @@ class LayerLedger:
     def forget(self, layer: int) -> None:
         self.weights.pop(layer, None)
         self.scores.pop(layer, None)
+        self._means.clear()
 
     def share(self, layer: int) -> torch.Tensor | None:
         """[B]: the layer's weight over the mean weight of the layers, or None until every layer reported one."""
@@ -74,5 +78,8 @@ class LayerLedger:
         own = self.weights.get(layer)
         if own is None or not self.complete:
             return None
-        known = torch.stack([w.to(own.device) for w in self.weights.values() if w.shape == own.shape])
-        return own / known.mean(dim=0).clamp(min=1e-12)
+        key = (tuple(own.shape), own.device)
+        if key not in self._means:
+            known = torch.stack([w.to(own.device) for w in self.weights.values() if w.shape == own.shape])
+            self._means[key] = known.mean(dim=0).clamp(min=1e-12)
+        return own / self._means[key]

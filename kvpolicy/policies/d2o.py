@@ -7,6 +7,8 @@ attention over its n tokens as a distribution (0 when even, towards 1 when conce
 monotone function of p's variance that compares across layers). A layer's weight is exp(-its
 heads' mean sparsity); its budget the recipe's times its weight over the mean weight of the
 layers (the paper's softmax over layers, `view.layer_share`), set once every layer has given its weight.
+`sparsity: head_range` reads a layer's sparsity as the authors' code does instead: each KV head's variance of
+accumulated attention, min-max normalized over the layer's heads, averaged.
 
 Merging: each evicted token finds the kept token of its KV head whose key is most similar
 (cosine u). Each head keeps a threshold, an EMA of the mean best similarity at each eviction
@@ -39,6 +41,10 @@ class D2OParams(H2OParams):
     ema_new: float = 0.5
     # false: every layer keeps the recipe's budget (merging alone)
     layer_budgets: bool = True
+    # how a layer's sparsity is read from its heads' accumulated attention: "effective" (1 - effective tokens / tokens,
+    # averaged over the KV heads: comparable across layers); "head_range" (the authors' code: each head's variance,
+    # min-max normalized over the layer's KV heads, averaged: exact for multi-head attention, flat with 1 or 2 KV heads)
+    sparsity: str = "effective"
     # false: evicted tokens are dropped (the layer budgets alone)
     merge: bool = True
     # true: a kept token weighs e times the tokens it already stands for (itself and those merged into it), so that
@@ -52,6 +58,8 @@ class D2OParams(H2OParams):
         super().validate()
         if not (self.ema_keep >= 0 and self.ema_new > 0):
             raise ValueError("ema_keep must be >= 0 and ema_new > 0")
+        if self.sparsity not in ("effective", "head_range"):
+            raise ValueError(f"sparsity must be \"effective\" or \"head_range\", not {self.sparsity!r}")
 
 
 class D2O(H2O):
@@ -72,9 +80,15 @@ class D2O(H2O):
 
     def layer_weight(self, state: dict[str, torch.Tensor], view: TokenView) -> torch.Tensor:
         acc = torch.where(view.valid, state["acc"], 0.0).double()
+        count = view.valid.sum(dim=2).clamp(min=1)
+        if self.params.sparsity == "head_range":
+            variance = ((acc - acc.sum(dim=2, keepdim=True) / count[..., None]) ** 2).masked_fill(~view.valid, 0.0)
+            variance = variance.sum(dim=2) / (count - 1).clamp(min=1)  # [B, Hkv], unbiased as torch.var
+            low, high = variance.min(dim=1, keepdim=True).values, variance.max(dim=1, keepdim=True).values
+            return torch.exp(-((variance - low) / (high - low + 1e-6)).mean(dim=1)).float()
         share = acc / acc.sum(dim=2, keepdim=True).clamp(min=1e-12)  # each head's attention as a distribution
         effective = 1.0 / (share**2).sum(dim=2).clamp(min=1e-12)  # tokens it would spread evenly over
-        sparsity = 1.0 - effective / view.valid.sum(dim=2).clamp(min=1)
+        sparsity = 1.0 - effective / count
         return torch.exp(-sparsity.mean(dim=1)).float()
 
     def allocate(self, state: dict[str, torch.Tensor], view: TokenView, cells: torch.Tensor) -> torch.Tensor | None:
@@ -89,9 +103,12 @@ class D2O(H2O):
         width = int(counts.max())
         order = torch.sort((~leaving).to(torch.int8), dim=2, stable=True).indices[..., :width]  # leaving slots first
         present = torch.arange(width, device=keys.device) < counts
-        unit = F.normalize(keys.float(), dim=-1)
-        gone = unit.gather(2, order[..., None].expand(-1, -1, -1, unit.shape[-1]))
-        similarity = (gone @ unit.transpose(-1, -2)).masked_fill(~kept[:, :, None, :], -torch.inf)
+        keys = keys.float()
+        gone = F.normalize(keys.gather(2, order[..., None].expand(-1, -1, -1, keys.shape[-1])), dim=-1)
+        # cosine: the leaving keys normalized, every slot's dot product divided by its norm (no normalized copy of
+        # the layer's keys at each step)
+        norms = torch.linalg.vector_norm(keys, dim=-1).clamp(min=1e-12)[:, :, None, :]
+        similarity = ((gone @ keys.transpose(-1, -2)) / norms).masked_fill(~kept[:, :, None, :], -torch.inf)
         best, match = similarity.max(dim=-1)  # [B, Hkv, M]
         mean = torch.where(present, best, 0.0).sum(dim=2) / counts[..., 0].clamp(min=1)
         evicting, started, tau = counts[..., 0] > 0, state["started"], state["threshold"]

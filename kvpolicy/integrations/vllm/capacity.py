@@ -271,8 +271,9 @@ def kernel_cost(args: argparse.Namespace, context: int, requests: int) -> dict:
 
     from ...cache.policy_group import LayerPolicies, PolicyGroup
     from ...policies.h2o import H2O
+    from .compact_rows import CompactRows
     from .deferred import WINDOW
-    from .paged import CompactRows, PagedLayerCache, PagedPolicies, cpu_cache_views
+    from .paged import PagedLayerCache, PagedPolicies, cpu_cache_views
 
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from ...errors import KVPolicyError
+from .compact_rows import CompactRows, slot_rows
 from .deferred import WINDOW, QueryWindows, stored_observation
 from .engine import engine_from_config
-from .paged import CompactRows, PagedLayerCache, PagedPolicies, slot_rows
+from .paged import PagedLayerCache, PagedPolicies
 from .schedule import RequestSchedule
 from .settings import PagedLayer
 

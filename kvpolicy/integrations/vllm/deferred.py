@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .paged import CompactRows
+from .compact_rows import CompactRows
 
 #: decode queries stored per request before a pass reads them (a block's worth at SmolLM2's block size: a request
 #: evicting once a block flushes once per eviction)

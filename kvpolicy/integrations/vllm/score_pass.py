@@ -24,7 +24,7 @@ from ...backend.call import AttentionCall
 from ...policies.base import AttentionStats
 
 if TYPE_CHECKING:
-    from .paged import CompactRows
+    from .compact_rows import CompactRows
 
 #: the statistics a pass over several stored queries of a request gives as the sum of theirs, one by one
 ADDITIVE_STATS = frozenset({"colsum", "colsum_sq"})
